@@ -1,0 +1,286 @@
+"""Tests of DPSVI: the private gradient (clipping, noise, rescaling), the loss split, the API and its errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy import stats
+
+import numpyro
+import numpyro.distributions as dist
+from numpyro.handlers import seed, substitute, trace
+from numpyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
+from numpyro.infer.autoguide import AutoDelta, AutoDiagonalNormal
+
+from d3pext import DPSVI
+from d3pext.svi import DPSVIState
+
+
+def logistic(x, y, batch_size=100):
+    w = numpyro.sample("w", dist.Normal(0, 2).expand([x.shape[1]]).to_event(1))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch_size):
+        xb, yb = numpyro.subsample(x, event_dim=1), numpyro.subsample(y, event_dim=0)
+        numpyro.sample("y", dist.Bernoulli(logits=xb @ w), obs=yb)
+
+
+def logistic_batch(xb, yb, num_records):
+    """d3p style: the model gets one batch and knows N."""
+    w = numpyro.sample("w", dist.Normal(0, 2).expand([xb.shape[1]]).to_event(1))
+    with numpyro.plate("batch", num_records, xb.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=xb @ w), obs=yb)
+
+
+def simulate(key, n, w):
+    kx, ky = jax.random.split(key)
+    x = jax.random.normal(kx, (n, w.shape[0]))
+    y = jax.random.bernoulli(ky, jax.nn.sigmoid(x @ w)).astype(jnp.float32)
+    return x, y
+
+
+W_TRUE = jnp.array([1.0, -1.0, 0.5])
+
+
+@pytest.fixture(scope="module")
+def data():
+    return simulate(jax.random.key(0), 2000, W_TRUE)
+
+
+def _private_grads(svi, state, *args, num=1, **kwargs):
+    params = svi.optim.get_params(state.optim_state)
+    keys = jax.random.split(jax.random.key(123), num)
+    fn = jax.jit(jax.vmap(lambda k: svi._private_grad(params, k, args, kwargs, False)[1]))
+    return fn(keys)
+
+
+def test_matches_exact_gradient_without_clipping_or_noise(data):
+    """With C huge and sigma tiny, the private gradient is the ELBO gradient of the batch it drew."""
+    x, y = data
+    guide = AutoDelta(logistic)
+    svi = DPSVI(logistic, guide, numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1e8, dp_scale=1e-12)
+    state = svi.init(jax.random.key(1), x, y)
+    params = svi.optim.get_params(state.optim_state)
+    params = jax.tree.map(lambda p: p + 0.3, params)
+    step_key = jax.random.key(7)
+    _, grads = svi._private_grad(params, step_key, (x, y), {}, False)
+    indices, _ = svi.sampler(jax.random.split(step_key, 3)[0])
+
+    def neg_elbo(p):
+        w = svi.constrain_fn(p)["w_auto_loc"]
+        logits = x[indices] @ w
+        loglik = jnp.sum(dist.Bernoulli(logits=logits).log_prob(y[indices])) * x.shape[0] / indices.shape[0]
+        return -(loglik + dist.Normal(0, 2).log_prob(w).sum())
+
+    expected = jax.grad(neg_elbo)(params)
+    np.testing.assert_allclose(grads["w_auto_loc"], expected["w_auto_loc"], rtol=1e-4)
+
+
+def test_noise_std_is_sigma_times_c(data):
+    """A model whose records do not move the parameters: the private gradient is pure noise * N / B."""
+    x, y = data
+
+    def model(x, y):
+        numpyro.param("theta", jnp.zeros(4))
+        with numpyro.plate("data", x.shape[0], subsample_size=50):
+            numpyro.sample("y", dist.Bernoulli(0.5), obs=numpyro.subsample(y, event_dim=0))
+
+    sigma, c = 1.7, 0.3
+    svi = DPSVI(model, lambda x, y: None, numpyro.optim.SGD(0.1), Trace_ELBO(), clipping_threshold=c, dp_scale=sigma)
+    state = svi.init(jax.random.key(0), x, y)
+    grads = _private_grads(svi, state, x, y, num=2000)["theta"]
+    noise = np.asarray(grads).ravel() / (x.shape[0] / 50)
+    # variance test: (n-1) s^2 / sigma^2 ~ chi2(n-1); and normality of the noise
+    n = noise.size
+    statistic = (n - 1) * noise.var(ddof=1) / (sigma * c) ** 2
+    assert stats.chi2(n - 1).sf(statistic) > 1e-3 and stats.chi2(n - 1).cdf(statistic) > 1e-3
+    assert stats.kstest(noise / (sigma * c), "norm").pvalue > 1e-3
+
+
+def test_clipping_bounds_each_record(data):
+    """Every record's gradient points the same way with norm >> C: the sum is exactly B * C along it."""
+    x, y = data
+
+    def model(x, y):
+        theta = numpyro.param("theta", jnp.zeros(2))
+        with numpyro.plate("data", x.shape[0], subsample_size=40):
+            yb = numpyro.subsample(y, event_dim=0)
+            numpyro.factor("big", 1e3 * (yb + 1.0) * (theta[0] + 2 * theta[1]))
+
+    c = 0.5
+    svi = DPSVI(model, lambda x, y: None, numpyro.optim.SGD(0.1), Trace_ELBO(), clipping_threshold=c, dp_scale=1e-9)
+    state = svi.init(jax.random.key(0), x, y)
+    grads = _private_grads(svi, state, x, y, num=3)["theta"]
+    direction = -jnp.array([1.0, 2.0]) / jnp.sqrt(5.0)
+    expected = x.shape[0] * c * direction  # N / B * (B * C)
+    np.testing.assert_allclose(grads, jnp.broadcast_to(expected, grads.shape), rtol=1e-4)
+
+
+def test_batch_mode_equals_plate_mode_on_the_same_batch(data):
+    """d3p-style batches give the same private gradient as plate mode when the same records are used."""
+    x, y = data
+    n = x.shape[0]
+    plate = DPSVI(logistic, AutoDelta(logistic), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=0.7, dp_scale=1e-9)
+    state = plate.init(jax.random.key(1), x, y)
+    params = jax.tree.map(lambda p: p + 0.5, plate.optim.get_params(state.optim_state))
+    step_key = jax.random.key(3)
+    _, g_plate = plate._private_grad(params, step_key, (x, y), {}, False)
+    indices, _ = plate.sampler(jax.random.split(step_key, 3)[0])
+
+    guide = AutoDelta(logistic_batch)
+    batch = DPSVI(logistic_batch, guide, numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=0.7, dp_scale=1e-9, num_records=n)
+    batch.init(jax.random.key(1), x[indices], y[indices])
+    assert batch.structure.num_records == n and not batch.structure.plate_mode
+    _, g_batch = batch._private_grad(params, step_key, (x[indices], y[indices]), {}, False)
+    np.testing.assert_allclose(g_batch["w_auto_loc"], g_plate["w_auto_loc"], rtol=1e-4)
+
+
+def test_large_epsilon_reaches_nonprivate_posterior(data):
+    x, y = data
+    guide = AutoDiagonalNormal(logistic)
+    common = dict(optim=numpyro.optim.Adam(0.02), loss=Trace_ELBO())
+    nonprivate = SVI(logistic, guide, **common).run(jax.random.key(0), 2000, x, y, progress_bar=False)
+    private = DPSVI(logistic, guide, **common, clipping_threshold=5.0, dp_scale=0.05).run(
+        jax.random.key(0), 2000, x, y, progress_bar=False
+    )
+    np.testing.assert_allclose(private.params["auto_loc"], nonprivate.params["auto_loc"], atol=0.12)
+    assert private.privacy.epsilon > 100  # sigma = 0.05 is (almost) no privacy: inf when out of reach
+
+
+def test_run_reports_privacy_and_respects_plan(data):
+    x, y = data
+    svi = DPSVI(
+        logistic, AutoDiagonalNormal(logistic), optax.adam(0.05), clipping_threshold=1.0,
+        epsilon=2.0, delta=1e-5, num_steps=200,
+    )
+    result = svi.run(jax.random.key(0), 200, x, y, progress_bar=False)
+    assert result.losses.shape == (200,) and bool(jnp.all(jnp.isfinite(result.losses)))
+    report = result.privacy
+    assert report.epsilon <= 2.0 and report.epsilon > 1.9
+    assert report.num_steps == 200 and report.sampling_rate == pytest.approx(100 / 2000)
+    assert report.relation == "substitute"
+    assert int(result.state.num_steps) == 200
+    with pytest.raises(ValueError, match="exceeds the planned"):
+        svi.run(None, 1, x, y, init_state=result.state, progress_bar=False)
+    again = svi.privacy_spent(result.state)
+    assert again.epsilon == pytest.approx(report.epsilon, rel=1e-6)
+
+
+def test_update_and_stable_update(data):
+    x, y = data
+    svi = DPSVI(logistic, AutoDiagonalNormal(logistic), numpyro.optim.Adam(0.05), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
+    state = svi.init(jax.random.key(0), x, y)
+    assert isinstance(state, DPSVIState)
+    state, loss = svi.update(state, x, y)
+    state, loss2 = svi.stable_update(state, x, y)
+    assert jnp.isfinite(loss) and jnp.isfinite(loss2) and int(state.num_steps) == 2
+    assert set(svi.get_params(state)) == {"auto_loc", "auto_scale"}
+    assert jnp.isfinite(svi.evaluate(state, x, y))
+
+
+def test_stable_update_drops_non_finite_records(data):
+    x, y = data
+    y_bad = y.at[:1000].set(jnp.nan)
+    svi = DPSVI(logistic, AutoDelta(logistic), numpyro.optim.Adam(0.05), Trace_ELBO(), clipping_threshold=1.0, dp_scale=0.5)
+    state = svi.init(jax.random.key(0), x, y)
+    state, _ = svi.stable_update(state, x, y_bad)
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in svi.get_params(state).values())
+    state, _ = svi.update(state, x, y_bad)
+    assert not all(bool(jnp.all(jnp.isfinite(v))) for v in svi.get_params(state).values())
+
+
+def test_local_latents_get_independent_noise_per_record():
+    """A local latent per record (amortized guide): identical records must not share the variational noise."""
+
+    def model(x):
+        with numpyro.plate("data", x.shape[0], subsample_size=8):
+            xb = numpyro.subsample(x, event_dim=0)
+            z = numpyro.sample("z", dist.Normal(0, 1))
+            numpyro.sample("x", dist.Normal(z, 1), obs=xb)
+
+    def guide(x):
+        a = numpyro.param("a", 0.5)
+        with numpyro.plate("data", x.shape[0], subsample_size=8):
+            xb = numpyro.subsample(x, event_dim=0)
+            numpyro.sample("z", dist.Normal(a * xb, 1.0))
+
+    x = jnp.ones(64)
+    svi = DPSVI(model, guide, numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=100.0, dp_scale=1e-9)
+    state = svi.init(jax.random.key(0), x)
+    params = svi.optim.get_params(state.optim_state)
+    grads = jax.vmap(jax.grad(svi._record_loss), in_axes=(None, None, None, None, 0))(
+        params, jax.random.key(1), (x,), {}, (jnp.zeros(8, jnp.int32), jnp.arange(8))
+    )
+    assert len(np.unique(np.round(np.asarray(grads["a"]), 6))) == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(clipping_threshold=1.0), "exactly one of"),
+        (dict(clipping_threshold=1.0, dp_scale=1.0, epsilon=1.0, num_steps=10), "exactly one of"),
+        (dict(clipping_threshold=float("inf"), dp_scale=1.0), "clipping_threshold"),
+        (dict(clipping_threshold=-1.0, dp_scale=1.0), "clipping_threshold"),
+        (dict(clipping_threshold=1.0, dp_scale=0.0), "dp_scale"),
+        (dict(clipping_threshold=1.0, epsilon=0.0, num_steps=10), "epsilon"),
+        (dict(clipping_threshold=1.0, epsilon=1.0), "num_steps"),
+        (dict(clipping_threshold=1.0, epsilon=1.0, delta=1.0, num_steps=10), "delta"),
+        (dict(clipping_threshold=1.0, dp_scale=1.0, sampler="shuffle"), "sampler"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DPSVI(logistic, AutoDiagonalNormal(logistic), numpyro.optim.Adam(0.1), Trace_ELBO(), **kwargs)
+
+
+def test_unsupported_loss_and_missing_c():
+    with pytest.raises(NotImplementedError, match="Trace_ELBO"):
+        DPSVI(logistic, AutoDiagonalNormal(logistic), numpyro.optim.Adam(0.1), TraceMeanField_ELBO(), 1.0, 1.0)
+    with pytest.raises(TypeError, match="clipping_threshold"):
+        DPSVI(logistic, AutoDiagonalNormal(logistic), numpyro.optim.Adam(0.1), Trace_ELBO(), dp_scale=1.0)
+
+
+def _init(model, *args, **kwargs):
+    svi = DPSVI(model, AutoDelta(model), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
+    return svi.init(jax.random.key(0), *args, **kwargs)
+
+
+def test_model_structure_errors(data):
+    x, y = data
+
+    def no_plate(x, y):
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([x.shape[1]]).to_event(1))
+        numpyro.sample("y", dist.Bernoulli(logits=x @ w).to_event(1), obs=y)
+
+    with pytest.raises(ValueError, match="no data plate"):
+        _init(no_plate, x, y)
+
+    def leaky(x, y):
+        m = numpyro.sample("m", dist.Normal(jnp.mean(x), 1.0))  # the prior peeks at the data
+        with numpyro.plate("data", x.shape[0], subsample_size=10):
+            numpyro.sample("y", dist.Normal(m, 1.0), obs=numpyro.subsample(y, event_dim=0))
+
+    with pytest.raises(ValueError, match="depend on the data"):
+        _init(leaky, x[:, 0], y)
+
+    def scales(x, y):
+        m = numpyro.sample("m", dist.Normal(0, 1.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=10):
+            numpyro.sample("y", dist.Normal(m, 1.0), obs=numpyro.subsample(y, event_dim=0))
+            with numpyro.handlers.scale(scale=2.0):
+                numpyro.sample("x", dist.Normal(m, 1.0), obs=numpyro.subsample(x, event_dim=0))
+
+    with pytest.raises(ValueError, match="different scales"):
+        _init(scales, x[:, 0], y)
+
+    def mutable(x, y):
+        numpyro.primitives.mutable("count", jnp.zeros(()))
+        logistic(x, y)
+
+    with pytest.raises(ValueError, match="mutable"):
+        _init(mutable, x, y)
+
+    with pytest.raises(ValueError, match="different numbers of records"):
+        _init(logistic, x, y[:-1])
+    svi = DPSVI(logistic, AutoDelta(logistic), numpyro.optim.Adam(0.1), Trace_ELBO(), 1.0, 1.0, num_obs_total=10)
+    with pytest.raises(ValueError, match="larger than the number of records"):
+        svi.init(jax.random.key(0), x[:50], y[:50], batch_size=None)
