@@ -402,7 +402,7 @@ class DPSVI(SVI):
         return self.privacy_spent(num_steps, delta).epsilon
 
     def _report(self, eps: float, delta: float, num_steps: int) -> PrivacyReport:
-        extra = self.sampler.extra_delta(eps, num_steps) if num_steps else 0.0
+        extra = self.sampler.extra_delta(eps, num_steps) if num_steps and math.isfinite(eps) else 0.0
         return PrivacyReport(
             epsilon=eps,
             delta=delta + extra,
@@ -485,7 +485,13 @@ class DPSVI(SVI):
         else:
             n = jnp.shape(args[0])[0] if args else 1
             pairs = ((args, 0), (args, n - 1))
-        values = [jax.value_and_grad(self._global_loss)(params, rng_key, a, kwargs, i) for a, i in pairs]
+        dyn, static = _split_kwargs(kwargs)
+
+        @jax.jit
+        def global_value_and_grad(args, dyn, index):
+            return jax.value_and_grad(self._global_loss)(params, rng_key, args, {**dyn, **dict(static)}, index)
+
+        values = [global_value_and_grad(a, dyn, i) for a, i in pairs]
         same = jax.tree.map(lambda u, v: bool(jnp.allclose(u, v, rtol=1e-5, atol=1e-6)), values[0], values[1])
         if not all(jax.tree.leaves(same)):
             raise ValueError(
