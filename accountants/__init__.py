@@ -8,12 +8,32 @@ from d3pext.accountants.fourier import (
     delta,
     epsilon,
 )
+from d3pext.accountants.ledger import (
+    NEIGHBOURING_RELATIONS,
+    LedgerEntry,
+    PrivacyBudgetExceeded,
+    PrivacyCost,
+    PrivacyLedger,
+    analytic_gaussian_delta,
+    analytic_gaussian_epsilon,
+    analytic_gaussian_noise_multiplier,
+    compose,
+)
 
 __all__ = [
     "AccountingError",
+    "LedgerEntry",
+    "NEIGHBOURING_RELATIONS",
+    "PrivacyBudgetExceeded",
+    "PrivacyCost",
+    "PrivacyLedger",
     "Relation",
     "SigmaResult",
+    "analytic_gaussian_delta",
+    "analytic_gaussian_epsilon",
+    "analytic_gaussian_noise_multiplier",
     "approximate_sigma",
+    "compose",
     "delta",
     "epsilon",
 ]

@@ -561,7 +561,10 @@ class DPSVI(SVI):
         rng_key, step_key = random.split(state.rng_key)
         params = self.optim.get_params(state.optim_state)
         loss, grads = self._private_grad(params, step_key, args, kwargs, stable)
-        new_optim_state = self.optim.update(grads, state.optim_state)
+        # optax transformations may ask for the loss value (``update_with_value``); the loss is not private,
+        # so they get NaN: value-driven schedules (line searches, reduce-on-plateau) cannot be used with DPSVI.
+        value = jnp.nan if self.optim.update_with_value else None
+        new_optim_state = self.optim.update(grads, state.optim_state, value=value)
         if stable:
             ok = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
             new_optim_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_optim_state, state.optim_state)

@@ -1,0 +1,540 @@
+"""Release mechanisms: how a curator privatizes a statistic, and what an analyst must model.
+
+Each mechanism is a frozen (hashable) dataclass that gives the law of a release given the
+confidential value (:meth:`Mechanism.release_distribution`, for inference), draws releases
+(:meth:`Mechanism.release`, for the curator), exposes the quantile function of its noise
+(:meth:`Mechanism.noise_icdf`, :meth:`Mechanism.release_icdf`, for randomized quasi-Monte Carlo)
+and reports its privacy cost (:meth:`Mechanism.cost`) for the
+:class:`~d3pext.accountants.ledger.PrivacyLedger`.
+
+``sensitivity`` is the largest change of the released statistic between neighbouring data sets
+under the mechanism's ``neighbouring`` relation (``"substitute"``: replace one record;
+``"add_remove"``: add or remove one record): L1 for Laplace, geometric and binomial, L2 for
+Gaussian. ``None`` means "not known yet": the privatize handler derives it from declared bounds
+and calls :meth:`Mechanism.with_sensitivity`.
+"""
+
+import abc
+import dataclasses
+from dataclasses import dataclass, field
+from functools import partial
+import math
+import os
+from typing import ClassVar, Optional
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.scipy.special import betainc, ndtri
+from jax.typing import ArrayLike
+import numpy as np
+
+import numpyro.distributions as dist
+from numpyro.distributions import Distribution
+from numpyro.util import not_jax_tracer
+
+from d3pext.accountants.ledger import (
+    NEIGHBOURING_RELATIONS,
+    PrivacyCost,
+    analytic_gaussian_delta,
+    analytic_gaussian_epsilon,
+    analytic_gaussian_noise_multiplier,
+)
+from d3pext.distributions import TwoSidedGeometric, _float_dtype, exponential_fine_tail
+
+__all__ = [
+    "BinomialMechanism",
+    "GaussianMechanism",
+    "GeometricMechanism",
+    "LaplaceMechanism",
+    "Mechanism",
+]
+
+Array = jax.Array
+
+
+def _real(name: str, value) -> float:
+    if value is None or isinstance(value, (bool, str, bytes, complex)) or np.ndim(value) != 0:
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    return float(value)
+
+
+def _positive(name: str, value) -> float:
+    value = _real(name, value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value}")
+    return value
+
+
+def _positive_int(name: str, value) -> int:
+    value = _real(name, value)
+    if not (math.isfinite(value) and value >= 1 and value == int(value)):
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return int(value)
+
+
+def _entropy_key() -> Array:
+    """A PRNG key seeded from OS entropy (``os.urandom``), for real releases."""
+    shape = jax.random.key_data(jax.random.key(0)).shape
+    data = np.frombuffer(os.urandom(4 * math.prod(shape)), dtype=np.uint32).reshape(shape)
+    return jax.random.wrap_key_data(data)
+
+
+@partial(jax.jit, static_argnums=0)
+def _binomial_icdf(total_count: int, probs: Array, u: Array) -> Array:
+    n = total_count
+    u, probs = jnp.broadcast_arrays(u, probs)
+
+    def body(_, bounds):  # invariant: cdf(lo) < u <= cdf(hi)
+        lo, hi = bounds
+        mid = jnp.floor((lo + hi) / 2)
+        k = jnp.clip(mid, 0, n - 1)
+        above = betainc(n - k, k + 1, 1 - probs) >= u
+        open_ = hi - lo > 1
+        return jnp.where(open_ & ~above, mid, lo), jnp.where(open_ & above, mid, hi)
+
+    bounds = (jnp.full_like(u, -1.0), jnp.full_like(u, float(n)))
+    _, hi = lax.fori_loop(0, math.ceil(math.log2(n + 1)) + 1, body, bounds)
+    return jnp.where(u <= 0, 0.0, hi)
+
+
+@partial(jax.jit, static_argnums=0)
+def _draw(mechanism: "Mechanism", rng_key: Array, value: Array) -> Array:
+    # Compiled once per mechanism (hashable) and value shape.
+    return mechanism._draw(rng_key, value)
+
+
+class Mechanism(abc.ABC):
+    """A release mechanism (abstract base class; subclasses are frozen dataclasses).
+
+    Attributes every mechanism has: ``epsilon`` and ``delta`` (privacy cost of one release at
+    its sensitivity), ``sensitivity`` (``None`` until known) and ``neighbouring``.
+    """
+
+    kind: ClassVar[str]
+    epsilon: float
+    delta: float
+    sensitivity: Optional[float]
+    neighbouring: str
+
+    def _validate_common(self) -> None:
+        if self.neighbouring not in NEIGHBOURING_RELATIONS:
+            raise ValueError(
+                f"neighbouring must be one of {NEIGHBOURING_RELATIONS}, got {self.neighbouring!r}"
+            )
+        if self.sensitivity is not None:
+            object.__setattr__(self, "sensitivity", _positive("sensitivity", self.sensitivity))
+
+    def _require_sensitivity(self) -> float:
+        if self.sensitivity is None:
+            raise ValueError(
+                f"{type(self).__name__} has no sensitivity yet: declare bounds on the privatized"
+                " statistic or call .with_sensitivity(...)"
+            )
+        return self.sensitivity
+
+    def with_sensitivity(self, sensitivity: float) -> "Mechanism":
+        """The same mechanism, calibrated to a statistic of the given sensitivity."""
+        return dataclasses.replace(self, sensitivity=sensitivity)
+
+    @abc.abstractmethod
+    def release_distribution(self, value: ArrayLike) -> Distribution:
+        """The law ``p(release | value)`` of a release of the confidential ``value``."""
+
+    def noise_distribution(self) -> Optional[Distribution]:
+        """Additive mechanisms: the law of ``release - value``; ``None`` otherwise."""
+        return None
+
+    def noise_icdf(self, u: ArrayLike) -> Array:
+        """Additive mechanisms: quantile function of the noise, computed in the dtype of ``u``.
+
+        Pass float64 ``u`` (under ``jax.enable_x64``) for quantiles near 0 or 1.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} is not additive; use release_icdf(value, u)"
+        )
+
+    def release_icdf(self, value: ArrayLike, u: ArrayLike) -> Array:
+        """Quantile function of the release given ``value`` (``value + noise_icdf(u)``)."""
+        return value + self.noise_icdf(u)
+
+    @abc.abstractmethod
+    def cost(self) -> PrivacyCost:
+        """The privacy cost of one release, for the ledger."""
+
+    def _check_value(self, value: ArrayLike) -> None:
+        """Curator-side checks of a concrete confidential value (none by default)."""
+
+    def release(self, rng_key: Optional[Array], value: ArrayLike) -> Array:
+        """Draw a release of ``value`` (the curator's side).
+
+        :param rng_key: a PRNG key, or ``None`` to draw the noise from OS entropy (what a real
+            release should do; pass a key only for simulations and tests).
+        :param value: the confidential statistic.
+        """
+        self._require_sensitivity()
+        if not_jax_tracer(value):
+            self._check_value(value)
+        if rng_key is None:
+            rng_key = _entropy_key()
+        return _draw(self, rng_key, jnp.asarray(value))
+
+    def _draw(self, rng_key: Array, value: Array) -> Array:
+        return self.release_distribution(value).sample(rng_key)
+
+
+@dataclass(frozen=True)
+class LaplaceMechanism(Mechanism):
+    r"""The Laplace mechanism: ``release = value + Laplace(0, b)``, ``b = sensitivity / epsilon``.
+
+    * Sensitivity: L1, :math:`\Delta_1 = \max \|f(D) - f(D')\|_1` over neighbours.
+    * Guarantee: pure :math:`\epsilon`-DP (``delta = 0``); the log density ratio between
+      neighbouring values is at most :math:`\|f(D) - f(D')\|_1 / b \le \epsilon`.
+    * Density: :math:`p(y \mid x) = \prod_j \frac{1}{2b} \exp(-|y_j - x_j| / b)`.
+
+    >>> import jax
+    >>> from d3pext.mechanisms import LaplaceMechanism
+    >>> m = LaplaceMechanism(0.5, sensitivity=2.0)
+    >>> m.scale
+    4.0
+    >>> y = m.release(jax.random.PRNGKey(0), 10.0)  # seeded for the example only
+    >>> m.cost().epsilon
+    0.5
+    """
+
+    kind: ClassVar[str] = "laplace"
+    epsilon: float
+    sensitivity: Optional[float] = None
+    neighbouring: str = "substitute"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "epsilon", _positive("epsilon", self.epsilon))
+        self._validate_common()
+
+    @property
+    def delta(self) -> float:
+        return 0.0
+
+    @property
+    def scale(self) -> float:
+        return self._require_sensitivity() / self.epsilon
+
+    def noise_distribution(self) -> Distribution:
+        return dist.Laplace(0.0, self.scale)
+
+    def release_distribution(self, value: ArrayLike) -> Distribution:
+        return dist.Laplace(value, self.scale)
+
+    def _draw(self, rng_key: Array, value: Array) -> Array:
+        # Difference of exponentials with an exact tail: jax.random.laplace stops near 16.6 b.
+        dtype = _float_dtype(value)
+        e = exponential_fine_tail(rng_key, (2,) + jnp.shape(value), dtype)
+        return value + self.scale * (e[0] - e[1])
+
+    def noise_icdf(self, u: ArrayLike) -> Array:
+        # Two branches so that 1 - u is exact (Sterbenz) and never rounds to 0 before 1 does.
+        u = jnp.asarray(u)
+        lower = u < 0.5
+        u_lo = jnp.where(lower, u, 0.25)
+        u_hi = jnp.where(lower, 0.75, u)
+        return self.scale * jnp.where(lower, jnp.log(2 * u_lo), -jnp.log(2 * (1 - u_hi)))
+
+    def cost(self) -> PrivacyCost:
+        return PrivacyCost(
+            self.kind,
+            self.epsilon,
+            0.0,
+            self.neighbouring,
+            parameters={"sensitivity": self._require_sensitivity(), "scale": self.scale},
+        )
+
+
+@dataclass(frozen=True)
+class GaussianMechanism(Mechanism):
+    r"""The Gaussian mechanism, ``release = value + N(0, sigma^2)``, calibrated analytically.
+
+    * Sensitivity: L2, :math:`\Delta_2 = \max \|f(D) - f(D')\|_2` over neighbours.
+    * Guarantee: :math:`(\epsilon, \delta)`-DP with the smallest noise multiplier
+      :math:`z = \sigma / \Delta_2` such that
+      :math:`\Phi(\frac{1}{2z} - \epsilon z) - e^{\epsilon} \Phi(-\frac{1}{2z} - \epsilon z)
+      \le \delta` (the analytic Gaussian mechanism, Balle & Wang 2018; exact for every
+      :math:`\epsilon > 0`, unlike the classical :math:`\sqrt{2 \ln(1.25/\delta)}/\epsilon`).
+      Its ledger cost carries ``noise_multiplier`` so that Gaussian releases compose exactly.
+    * Density: :math:`p(y \mid x) = \prod_j \mathcal{N}(y_j; x_j, \sigma^2)`.
+
+    :param epsilon: target epsilon (> 0).
+    :param delta: target delta, in (0, 1).
+    :param sensitivity: L2 sensitivity, or ``None``.
+    :param noise_multiplier: ``sigma / sensitivity``, when fixed by hand (see :meth:`from_sigma`);
+        it must give (epsilon, delta)-DP.
+
+    >>> from d3pext.mechanisms import GaussianMechanism
+    >>> m = GaussianMechanism(1.0, 1e-5, sensitivity=2.0)
+    >>> round(m.noise_multiplier, 4), round(m.sigma, 4)
+    (3.7306, 7.4613)
+    >>> round(GaussianMechanism.from_sigma(7.4613, 2.0, 1e-5).epsilon, 4)
+    1.0
+    """
+
+    kind: ClassVar[str] = "gaussian"
+    epsilon: float
+    delta: float
+    sensitivity: Optional[float] = None
+    neighbouring: str = "substitute"
+    noise_multiplier: Optional[float] = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "epsilon", _positive("epsilon", self.epsilon))
+        delta = _real("delta", self.delta)
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must lie in (0, 1) for the Gaussian mechanism, got {delta}")
+        object.__setattr__(self, "delta", delta)
+        self._validate_common()
+        if self.noise_multiplier is None:
+            z = analytic_gaussian_noise_multiplier(self.epsilon, self.delta)
+        else:
+            z = _positive("noise_multiplier", self.noise_multiplier)
+            if analytic_gaussian_delta(self.epsilon, z) > self.delta * (1 + 1e-9):
+                needed = analytic_gaussian_noise_multiplier(self.epsilon, self.delta)
+                raise ValueError(
+                    f"noise_multiplier {z} is too small for ({self.epsilon}, {self.delta})-DP;"
+                    f" it needs at least {needed}"
+                )
+        object.__setattr__(self, "noise_multiplier", z)
+
+    @classmethod
+    def from_sigma(
+        cls, sigma: float, sensitivity: float, delta: float, neighbouring: str = "substitute"
+    ) -> "GaussianMechanism":
+        """The Gaussian mechanism with noise standard deviation ``sigma``; its epsilon is the
+        smallest for which it is (epsilon, delta)-DP at this sensitivity."""
+        z = _positive("sigma", sigma) / _positive("sensitivity", sensitivity)
+        epsilon = analytic_gaussian_epsilon(delta, z)
+        if epsilon == 0:
+            raise ValueError(
+                f"sigma / sensitivity = {z} gives (0, {delta})-DP; choose a smaller delta"
+            )
+        return cls(epsilon, delta, sensitivity, neighbouring, noise_multiplier=z)
+
+    @property
+    def sigma(self) -> float:
+        return self.noise_multiplier * self._require_sensitivity()
+
+    def noise_distribution(self) -> Distribution:
+        return dist.Normal(0.0, self.sigma)
+
+    def release_distribution(self, value: ArrayLike) -> Distribution:
+        return dist.Normal(value, self.sigma)
+
+    def _draw(self, rng_key: Array, value: Array) -> Array:
+        # Box-Muller with an exact-tail radius: jax.random.normal stops near 5.4 sigma (float32).
+        dtype = _float_dtype(value)
+        key_radius, key_angle = jax.random.split(rng_key)
+        radius = jnp.sqrt(2 * exponential_fine_tail(key_radius, jnp.shape(value), dtype))
+        angle = jax.random.uniform(key_angle, jnp.shape(value), dtype, 0.0, 2 * math.pi)
+        return value + self.sigma * radius * jnp.cos(angle)
+
+    def noise_icdf(self, u: ArrayLike) -> Array:
+        return self.sigma * ndtri(jnp.asarray(u))
+
+    def cost(self) -> PrivacyCost:
+        return PrivacyCost(
+            self.kind,
+            self.epsilon,
+            self.delta,
+            self.neighbouring,
+            noise_multiplier=self.noise_multiplier,
+            parameters={"sensitivity": self._require_sensitivity(), "sigma": self.sigma},
+        )
+
+
+@dataclass(frozen=True)
+class GeometricMechanism(Mechanism):
+    r"""The two-sided geometric mechanism (Ghosh et al. 2012; seed 002, section 3) for integers:
+    ``release = value + TwoSidedGeometric(alpha)``, ``alpha = exp(-epsilon / sensitivity)``.
+
+    * Sensitivity: L1 of an integer-valued statistic (default 1: a count).
+    * Guarantee: pure :math:`\epsilon`-DP; for neighbours with :math:`\|x - x'\|_1 \le \Delta`
+      the probability ratio is at most :math:`\alpha^{-\Delta} = e^{\epsilon}` (seed 002,
+      Theorem 1, with :math:`N = \Delta`).
+    * Probability: :math:`P(y \mid x) = \prod_j \frac{1 - \alpha}{1 + \alpha}
+      \alpha^{|y_j - x_j|}`, :math:`y_j \in \mathbb{Z}`.
+
+    >>> import jax
+    >>> from d3pext.mechanisms import GeometricMechanism
+    >>> m = GeometricMechanism(1.0)
+    >>> round(m.alpha, 4)
+    0.3679
+    >>> m.release(jax.random.PRNGKey(0), 7).dtype  # seeded for the example only
+    dtype('int32')
+    """
+
+    kind: ClassVar[str] = "geometric"
+    epsilon: float
+    sensitivity: Optional[float] = 1.0
+    neighbouring: str = "substitute"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "epsilon", _positive("epsilon", self.epsilon))
+        self._validate_common()
+
+    @classmethod
+    def from_alpha(
+        cls, alpha: float, sensitivity: float = 1.0, neighbouring: str = "substitute"
+    ) -> "GeometricMechanism":
+        """The mechanism with decay ``alpha`` in (0, 1): ``epsilon = -sensitivity log(alpha)``."""
+        alpha = _real("alpha", alpha)
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
+        epsilon = -_positive("sensitivity", sensitivity) * math.log(alpha)
+        return cls(epsilon, sensitivity, neighbouring)
+
+    @property
+    def delta(self) -> float:
+        return 0.0
+
+    @property
+    def log_alpha(self) -> float:
+        return -self.epsilon / self._require_sensitivity()
+
+    @property
+    def alpha(self) -> float:
+        return math.exp(self.log_alpha)
+
+    def noise_distribution(self) -> Distribution:
+        return TwoSidedGeometric(log_alpha=self.log_alpha)
+
+    def release_distribution(self, value: ArrayLike) -> Distribution:
+        return TwoSidedGeometric(log_alpha=self.log_alpha, loc=value)
+
+    def noise_icdf(self, u: ArrayLike) -> Array:
+        return self.noise_distribution().icdf(u)
+
+    def _check_value(self, value: ArrayLike) -> None:
+        if not np.all(np.mod(np.asarray(value), 1) == 0):
+            raise ValueError("the geometric mechanism releases integer values; got non-integers")
+
+    def cost(self) -> PrivacyCost:
+        return PrivacyCost(
+            self.kind,
+            self.epsilon,
+            0.0,
+            self.neighbouring,
+            parameters={"sensitivity": self._require_sensitivity(), "alpha": self.alpha},
+        )
+
+
+@dataclass(frozen=True)
+class BinomialMechanism(Mechanism):
+    r"""The binomial mechanism of seed 000, Proposition 4, for counts in ``{0, ..., population}``:
+
+    .. math::
+        s \sim \mathrm{Binomial}\left(n, \frac{c + m}{K + 2m}\right), \qquad
+        m = \frac{n \Delta_1}{\epsilon},
+
+    with ``n = total_count`` trials, ``K = population`` (the largest possible count ``c``) and the
+    pseudo-count ``m``. Counts are clamped to ``[0, K]`` inside the model
+    (:meth:`release_distribution`); :meth:`release` refuses counts outside it.
+
+    * Sensitivity: L1 over the released counts, e.g. 1 for one count and ``L`` for ``L`` counts
+      that each move by at most one when one record is substituted (the population ``K`` is
+      fixed, so the relation is ``"substitute"``).
+    * Guarantee: pure :math:`\epsilon`-DP with :math:`\epsilon = n \Delta_1 / m`. A count moving by
+      :math:`d` changes the log probability by at most :math:`n \log(1 + d/m) \le n d / m`
+      (proof of Proposition 4, S2), and these add to at most :math:`n \Delta_1 / m` over the
+      counts. For a single count the exact bound :math:`n \log(1 + 1/m)` is a little smaller;
+      the ledger records :math:`n \Delta_1 / m`, as the paper does (:math:`\epsilon = nL/m`).
+    * Probability: :math:`P(s \mid c) = \prod_j \binom{n}{s_j} p_j^{s_j} (1 - p_j)^{n - s_j}`,
+      :math:`p_j = (c_j + m) / (K + 2m)`.
+
+    Not additive: use :meth:`release_icdf` for randomized quasi-Monte Carlo.
+
+    :param epsilon: privacy cost of a release (> 0).
+    :param total_count: number of trials ``n`` (positive integer).
+    :param population: ``K``, the largest possible count (positive integer).
+    :param sensitivity: L1 sensitivity of the released counts (default 1).
+
+    >>> from d3pext.mechanisms import BinomialMechanism
+    >>> m = BinomialMechanism.from_pseudo_count(total_count=100, pseudo_count=50.0, population=1000)
+    >>> m.epsilon
+    2.0
+    >>> float(m.release_distribution(200).mean)  # 100 * (200 + 50) / 1100
+    22.72...
+    """
+
+    kind: ClassVar[str] = "binomial"
+    epsilon: float
+    total_count: int
+    population: int
+    sensitivity: Optional[float] = 1.0
+    neighbouring: str = "substitute"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "epsilon", _positive("epsilon", self.epsilon))
+        object.__setattr__(self, "total_count", _positive_int("total_count", self.total_count))
+        object.__setattr__(self, "population", _positive_int("population", self.population))
+        self._validate_common()
+
+    @classmethod
+    def from_pseudo_count(
+        cls,
+        total_count: int,
+        pseudo_count: float,
+        population: int,
+        sensitivity: float = 1.0,
+        neighbouring: str = "substitute",
+    ) -> "BinomialMechanism":
+        """The mechanism with pseudo-count ``m > 0``: ``epsilon = total_count sensitivity / m``."""
+        epsilon = (
+            _positive_int("total_count", total_count)
+            * _positive("sensitivity", sensitivity)
+            / _positive("pseudo_count", pseudo_count)
+        )
+        return cls(epsilon, total_count, population, sensitivity, neighbouring)
+
+    @property
+    def delta(self) -> float:
+        return 0.0
+
+    @property
+    def pseudo_count(self) -> float:
+        return self.total_count * self._require_sensitivity() / self.epsilon
+
+    def probs(self, value: ArrayLike) -> Array:
+        """Success probability ``(clip(value, 0, K) + m) / (K + 2m)`` of the binomial draw."""
+        m = self.pseudo_count
+        return (jnp.clip(value, 0, self.population) + m) / (self.population + 2 * m)
+
+    def release_distribution(self, value: ArrayLike) -> Distribution:
+        return dist.BinomialProbs(self.probs(value), total_count=self.total_count)
+
+    def release_icdf(self, value: ArrayLike, u: ArrayLike) -> Array:
+        """Smallest ``s`` with ``P(release <= s | value) >= u``, by bisection on the exact cdf
+        ``P(release <= s) = I_{1 - p}(n - s, s + 1)``, in the dtype of ``u``."""
+        u = jnp.asarray(u)
+        dtype = u.dtype if jnp.issubdtype(u.dtype, jnp.floating) else jnp.result_type(float)
+        probs = self.probs(jnp.asarray(value, dtype)).astype(dtype)
+        return _binomial_icdf(self.total_count, probs, u.astype(dtype))
+
+    def _check_value(self, value: ArrayLike) -> None:
+        value = np.asarray(value)
+        in_range = (value >= 0) & (value <= self.population)
+        if not (np.all(np.mod(value, 1) == 0) and np.all(in_range)):
+            raise ValueError(
+                f"the binomial mechanism releases counts in {{0, ..., {self.population}}}"
+                " (population); got values outside"
+            )
+
+    def cost(self) -> PrivacyCost:
+        return PrivacyCost(
+            self.kind,
+            self.epsilon,
+            0.0,
+            self.neighbouring,
+            parameters={
+                "sensitivity": self._require_sensitivity(),
+                "total_count": self.total_count,
+                "pseudo_count": self.pseudo_count,
+                "population": self.population,
+            },
+        )
