@@ -124,6 +124,14 @@ class _RecordScope(Messenger):
             self._count += 1
 
 
+class _FirstIndices(Messenger):
+    """Subsampled plates take their first indices: tracing for structure needs no random subsample."""
+
+    def process_message(self, msg):
+        if msg["type"] == "plate" and msg["value"] is None:
+            msg["value"] = jnp.arange(msg["args"][1])
+
+
 def _in_plate(site, plate_name: str) -> bool:
     return any(f.name == plate_name for f in site["cond_indep_stack"])
 
@@ -511,10 +519,10 @@ class DPSVI(SVI):
         state = super().init(rng_key, *args, init_params=init_params, **kwargs)
         init_key = random.fold_in(state.rng_key, 1)
         params = self.constrain_fn(self.optim.get_params(state.optim_state))
-        guide_trace = trace(seed(substitute(self.guide, params), init_key)).get_trace(*args, **kwargs, **self.static_kwargs)
-        model_trace = trace(seed(substitute(replay(self.model, guide_trace), params), init_key)).get_trace(
-            *args, **kwargs, **self.static_kwargs
-        )
+        kw = {**kwargs, **self.static_kwargs}
+        guide_trace = trace(seed(_FirstIndices(substitute(self.guide, params)), init_key)).get_trace(*args, **kw)
+        model = _FirstIndices(substitute(replay(self.model, guide_trace), params))
+        model_trace = trace(seed(model, init_key)).get_trace(*args, **kw)
         self.structure = self._find_structure(model_trace, guide_trace, args)
         self.sampler = self._make_sampler(self.structure)
         self._calibrate()

@@ -62,7 +62,7 @@ def test_matches_exact_gradient_without_clipping_or_noise(data):
     params = svi.optim.get_params(state.optim_state)
     params = jax.tree.map(lambda p: p + 0.3, params)
     step_key = jax.random.key(7)
-    _, grads = svi._private_grad(params, step_key, (x, y), {}, False)
+    _, grads = jax.jit(lambda p: svi._private_grad(p, step_key, (x, y), {}, False))(params)
     indices, _ = svi.sampler(jax.random.split(step_key, 3)[0])
 
     def neg_elbo(p):
@@ -123,14 +123,14 @@ def test_batch_mode_equals_plate_mode_on_the_same_batch(data):
     state = plate.init(jax.random.key(1), x, y)
     params = jax.tree.map(lambda p: p + 0.5, plate.optim.get_params(state.optim_state))
     step_key = jax.random.key(3)
-    _, g_plate = plate._private_grad(params, step_key, (x, y), {}, False)
+    _, g_plate = jax.jit(lambda p: plate._private_grad(p, step_key, (x, y), {}, False))(params)
     indices, _ = plate.sampler(jax.random.split(step_key, 3)[0])
 
     guide = AutoDelta(logistic_batch)
     batch = DPSVI(logistic_batch, guide, numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=0.7, dp_scale=1e-9, num_records=n)
     batch.init(jax.random.key(1), x[indices], y[indices])
     assert batch.structure.num_records == n and not batch.structure.plate_mode
-    _, g_batch = batch._private_grad(params, step_key, (x[indices], y[indices]), {}, False)
+    _, g_batch = jax.jit(lambda p, a: batch._private_grad(p, step_key, a, {}, False))(params, (x[indices], y[indices]))
     np.testing.assert_allclose(g_batch["w_auto_loc"], g_plate["w_auto_loc"], rtol=1e-4)
 
 
@@ -284,3 +284,25 @@ def test_model_structure_errors(data):
     svi = DPSVI(logistic, AutoDelta(logistic), numpyro.optim.Adam(0.1), Trace_ELBO(), 1.0, 1.0, num_obs_total=10)
     with pytest.raises(ValueError, match="larger than the number of records"):
         svi.init(jax.random.key(0), x[:50], y[:50], batch_size=None)
+
+
+def test_epsilon_one_accuracy_close_to_nonprivate():
+    """Seed 003's claim: at epsilon = 1 on N = 10000, test accuracy within 1 point of non-private SVI."""
+    w_true = jax.random.normal(jax.random.key(42), (10,))
+    x, y = simulate(jax.random.key(1), 15000, w_true)
+    (x_train, y_train), (x_test, y_test) = (x[:10000], y[:10000]), (x[10000:], y[10000:])
+    guide = AutoDiagonalNormal(logistic)
+    steps = 3000
+
+    def accuracy(w):
+        return float(jnp.mean(((x_test @ w) > 0) == (y_test > 0.5)))
+
+    nonprivate = SVI(logistic, guide, numpyro.optim.Adam(0.01), Trace_ELBO()).run(
+        jax.random.key(0), steps, x_train, y_train, progress_bar=False
+    )
+    svi = DPSVI(logistic, guide, numpyro.optim.Adam(0.01), Trace_ELBO(), clipping_threshold=1.0,
+                epsilon=1.0, delta=1e-5, num_steps=steps)
+    private = svi.run(jax.random.key(0), steps, x_train, y_train, progress_bar=False)
+    assert private.privacy.epsilon <= 1.0
+    gap = accuracy(nonprivate.params["auto_loc"]) - accuracy(private.params["auto_loc"])
+    assert gap < 0.01, gap
