@@ -37,6 +37,7 @@ from numpyro.infer.svi import SVIRunResult
 from d3pext import accountants
 from d3pext.accountants import Relation
 from d3pext.minibatch import FixedSizeSampler, PoissonSampler
+from d3pext.prng import secure_key, threefry_key
 
 __all__ = ["DPSVI", "DPSVIState", "DPSVIRunResult", "PrivacyReport"]
 
@@ -513,8 +514,6 @@ class DPSVI(SVI):
         """Trace the model, find its data plate and sampling rate, calibrate sigma if a target was given."""
         _num_records(args)
         if rng_key is None:
-            from d3pext.prng import secure_key
-
             rng_key = secure_key()
         state = super().init(rng_key, *args, init_params=init_params, **kwargs)
         init_key = random.fold_in(state.rng_key, 1)
@@ -533,6 +532,9 @@ class DPSVI(SVI):
         """Noisy, clipped and rescaled gradient of the negative ELBO, and the (non-private) loss estimate."""
         structure = self.structure
         batch_key, elbo_key, noise_key = random.split(rng_key, 3)
+        # The batch and the noise carry the privacy guarantee and use the caller's (e.g. ChaCha20) key. The
+        # variational samples do not: a Threefry key keeps every JAX sampler (gamma, poisson) fast and available.
+        elbo_key = threefry_key(elbo_key)
         if structure.plate_mode:
             indices, mask = self.sampler(batch_key)
             records = (indices, jnp.arange(indices.shape[0]))

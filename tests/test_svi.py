@@ -306,3 +306,14 @@ def test_epsilon_one_accuracy_close_to_nonprivate():
     assert private.privacy.epsilon <= 1.0
     gap = accuracy(nonprivate.params["auto_loc"]) - accuracy(private.params["auto_loc"])
     assert gap < 0.01, gap
+
+
+def test_default_key_is_os_entropy_chacha(data):
+    """rng_key=None: batches and noise from a ChaCha20 key seeded by the OS; two runs differ."""
+    x, y = data
+    svi = DPSVI(logistic, AutoDiagonalNormal(logistic), numpyro.optim.Adam(0.05), Trace_ELBO(),
+                clipping_threshold=1.0, dp_scale=1.0)
+    first = svi.run(None, 20, x, y, progress_bar=False)
+    second = svi.run(None, 20, x, y, progress_bar=False)
+    assert "chacha" in str(jax.random.key_impl(first.state.rng_key)).lower()
+    assert not np.allclose(first.params["auto_loc"], second.params["auto_loc"])
