@@ -1,0 +1,334 @@
+"""The ``privatize`` effect handler and the curator's ``make_release``.
+
+``privatize`` inserts a release into an ordinary NumPyro model: the statistic of a confidential
+sample site (its sufficient statistic, their mean, or the records themselves under local privacy)
+is passed through a mechanism, and the released value becomes a new sample site named
+``f"{site}_dp"``, distributed as ``mechanism.release_distribution(statistic)``. The release
+metadata (:class:`ReleaseInfo`) rides in the site's ``infer["privatize"]``.
+
+The same privatized model serves both sides: run forward on confidential data (:func:`make_release`)
+it produces a release and records its privacy cost; conditioned on a release it is the generative
+model that :func:`~d3pext.handlers.private_posterior` works with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+import math
+from typing import Any, Literal
+import warnings
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+import numpyro
+from numpyro.handlers import seed, substitute, trace
+from numpyro.primitives import CondIndepStackFrame, Messenger
+
+from d3pext.expfam import family_of, record_distribution
+
+__all__ = ["ReleaseInfo", "curator_key", "make_release", "privatize", "release_sites"]
+
+StatisticKind = Literal["sufficient", "mean", "records"]
+_KINDS = ("sufficient", "mean", "records")
+
+
+@dataclass(frozen=True)
+class ReleaseInfo:
+    """Metadata of one release site (``site["infer"]["privatize"]``).
+
+    :param name: the release site.
+    :param source: the confidential sample site.
+    :param statistic: ``"sufficient"``, ``"mean"``, ``"records"`` or ``"custom"``.
+    :param mechanism: the mechanism, with its sensitivity set.
+    :param bounds: declared bounds ``(a, b)`` of the records, or ``None``.
+    :param bounds_method: ``"truncate"`` (records outside are dropped, Bernstein & Sheldon) or
+        ``"clamp"`` (records are clipped into the bounds).
+    :param num_records: number of records of the source site.
+    :param stat_shape: shape of the statistic of one record (or of the custom statistic).
+    :param plates: the source site's plates (the release of ``"records"`` lives in them).
+    """
+
+    name: str
+    source: str
+    statistic: str
+    mechanism: Any
+    bounds: tuple[float, float] | None
+    bounds_method: str
+    num_records: int
+    stat_shape: tuple[int, ...]
+    plates: tuple[CondIndepStackFrame, ...]
+
+    @property
+    def sensitivity(self) -> float:
+        return self.mechanism.sensitivity
+
+    def cost(self):
+        """The privacy cost of the release (the mechanism's, whatever the statistic)."""
+        return self.mechanism.cost()
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+class privatize(Messenger):
+    """Release a statistic of the confidential sample site ``site`` through ``mechanism``.
+
+    The release is emitted after the model body as the sample site ``name`` (default
+    ``f"{site}_dp"``), outside the model's plates except for ``statistic="records"``.
+    Nest several ``privatize`` handlers for several releases.
+
+    :param fn: the model.
+    :param str site: the confidential sample site (records in a plate).
+    :param mechanism: a mechanism of :mod:`d3pext.mechanisms`; when its sensitivity is ``None``
+        it is derived from the family of the records and the bounds.
+    :param statistic: ``"sufficient"`` (sum of the sufficient statistics ``t(x_i)``),
+        ``"mean"`` (that sum over ``n``), ``"records"`` (each ``t(x_i)``: local privacy) or a
+        callable of the site value (then the mechanism needs an explicit sensitivity).
+    :param bounds: ``(a, b)``, needed when ``t(x)`` is unbounded.
+    :param bounds_method: ``"truncate"`` (drop records outside ``[a, b]``; sensitivity bound of
+        Bernstein & Sheldon section 3.3) or ``"clamp"`` (clip records into ``[a, b]``).
+    :param name: name of the release site.
+
+    **Example**
+
+    >>> import jax.numpy as jnp
+    >>> import numpyro, numpyro.distributions as dist
+    >>> from numpyro.handlers import seed, substitute, trace
+    >>> from d3pext.mechanisms import LaplaceMechanism
+    >>> def model(n, x=None):
+    ...     theta = numpyro.sample("theta", dist.Beta(1.0, 1.0))
+    ...     with numpyro.plate("records", n):
+    ...         numpyro.sample("x", dist.Bernoulli(theta), obs=x)
+    >>> private = privatize(model, site="x", mechanism=LaplaceMechanism(0.5))
+    >>> tr = trace(seed(private, 0)).get_trace(10, jnp.ones(10))
+    >>> tr["x_dp"]["infer"]["privatize"].sensitivity
+    1.0
+    """
+
+    def __init__(
+        self,
+        fn: Callable | None = None,
+        *,
+        site: str,
+        mechanism: Any,
+        statistic: StatisticKind | Callable[[jax.Array], jax.Array] = "sufficient",
+        bounds: tuple[float, float] | None = None,
+        bounds_method: Literal["truncate", "clamp"] = "truncate",
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(site, str):
+            raise TypeError(f"site must be a site name (str), got {type(site).__name__}.")
+        for attr in ("epsilon", "sensitivity", "release_distribution", "with_sensitivity", "cost"):
+            if not hasattr(mechanism, attr):
+                raise TypeError(
+                    f"mechanism must be a d3pext mechanism (missing {attr!r}), got {mechanism!r}."
+                )
+        if not (mechanism.epsilon > 0):
+            raise ValueError(f"mechanism epsilon must be > 0, got {mechanism.epsilon}.")
+        if not callable(statistic) and statistic not in _KINDS:
+            raise ValueError(f"statistic must be one of {_KINDS} or a callable, got {statistic!r}.")
+        if callable(statistic) and mechanism.sensitivity is None:
+            raise ValueError(
+                "A custom statistic needs an explicit sensitivity: pass "
+                "mechanism.with_sensitivity(value)."
+            )
+        if bounds is not None:
+            if len(bounds) != 2:
+                raise ValueError(f"bounds must be a pair (a, b), got {bounds!r}.")
+            a, b = (float(v) for v in bounds)
+            if not (math.isfinite(a) and math.isfinite(b)):
+                raise ValueError(f"bounds must be finite, got ({a}, {b}).")
+            if not a < b:
+                raise ValueError(f"bounds must satisfy a < b, got ({a}, {b}).")
+            bounds = (a, b)
+        if bounds_method not in ("truncate", "clamp"):
+            raise ValueError(f"bounds_method must be 'truncate' or 'clamp', got {bounds_method!r}.")
+        self.site = site
+        self.mechanism = mechanism
+        self.statistic = statistic
+        self.bounds = bounds
+        self.bounds_method = bounds_method
+        self.name = f"{site}_dp" if name is None else name
+        self._captured: dict | None = None
+        super().__init__(fn)
+
+    def postprocess_message(self, msg: dict) -> None:
+        if msg["type"] == "sample" and msg["name"] == self.site:
+            self._captured = msg
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fn is None:  # used as a decorator
+            (fn,) = args
+            self.fn = fn
+            return self
+        self._captured = None
+        with self:
+            out = self.fn(*args, **kwargs)
+        msg, self._captured = self._captured, None
+        if msg is None:
+            raise ValueError(f"privatize: the model has no sample site {self.site!r}.")
+        self._emit(msg)
+        return out
+
+    def _statistic(self, msg: dict) -> tuple[jax.Array, float | None, int, tuple[int, ...]]:
+        value = msg["value"]
+        if callable(self.statistic):
+            stat = jnp.asarray(self.statistic(value))
+            return stat, None, int(np.prod(msg["fn"].batch_shape)), stat.shape
+        record = record_distribution(msg["fn"])
+        family = family_of(record)
+        if msg["is_observed"] and _is_concrete(value):
+            in_support = np.asarray(record.support(jnp.asarray(value)))
+            if not in_support.all():
+                raise ValueError(
+                    f"Confidential data at site {self.site!r} lie outside the support of "
+                    f"{type(record).__name__} ({int((~in_support).sum())} records)."
+                )
+        x = value
+        bounds = None
+        if self.bounds is not None:
+            if self.bounds_method == "clamp":
+                x = jnp.clip(x, *self.bounds)
+            else:
+                bounds = self.bounds
+        t = family.truncated_statistic(x, bounds)
+        batch_ndim = t.ndim - len(family.stat_shape)
+        n = int(np.prod(t.shape[:batch_ndim]))
+        if self.bounds is not None and self.bounds_method == "clamp":
+            a, b = self.bounds
+            sensitivity = float((b - a) * (1 if family.univariate else 2))
+        else:
+            sensitivity = family.sensitivity(bounds)
+        if self.statistic == "records":
+            return t, sensitivity, n, family.stat_shape
+        stat = jnp.sum(t, axis=tuple(range(batch_ndim)))
+        if self.statistic == "mean":
+            return stat / n, sensitivity / n, n, family.stat_shape
+        return stat, sensitivity, n, family.stat_shape
+
+    def _emit(self, msg: dict) -> None:
+        stat, derived, n, stat_shape = self._statistic(msg)
+        mechanism = self.mechanism
+        if mechanism.sensitivity is None:
+            mechanism = mechanism.with_sensitivity(derived)
+        elif derived is not None and mechanism.sensitivity < derived:
+            warnings.warn(
+                f"privatize({self.site!r}): the mechanism's sensitivity {mechanism.sensitivity} "
+                f"is below the bound {derived} derived from the family and bounds; the release "
+                "may not be as private as its stated epsilon.",
+                stacklevel=3,
+            )
+        plates = tuple(msg["cond_indep_stack"]) if self.statistic == "records" else ()
+        info = ReleaseInfo(
+            name=self.name,
+            source=self.site,
+            statistic=self.statistic if isinstance(self.statistic, str) else "custom",
+            mechanism=mechanism,
+            bounds=self.bounds,
+            bounds_method=self.bounds_method,
+            num_records=n,
+            stat_shape=tuple(stat_shape),
+            plates=plates,
+        )
+        release_dist = mechanism.release_distribution(stat)
+        if len(stat_shape):
+            release_dist = release_dist.to_event(len(stat_shape))
+        with ExitStack() as stack:
+            for frame in plates:
+                stack.enter_context(numpyro.plate(frame.name, frame.size, dim=frame.dim))
+            value = numpyro.sample(
+                self.name, release_dist, infer={"privatize": info, "statistic": stat}
+            )
+        if jnp.shape(value) != jnp.shape(stat):
+            raise ValueError(
+                f"The release {self.name!r} has shape {jnp.shape(value)}, but the "
+                f"{info.statistic} statistic of {self.site!r} has shape {jnp.shape(stat)}."
+            )
+
+
+def release_sites(model_trace: Mapping[str, dict]) -> dict[str, ReleaseInfo]:
+    """The release sites of a trace of a privatized model, by name."""
+    return {
+        name: site["infer"]["privatize"]
+        for name, site in model_trace.items()
+        if site["type"] == "sample" and "privatize" in site.get("infer", {})
+    }
+
+
+def curator_key(rng_key: jax.Array | int | None = None) -> jax.Array:
+    """The key for release noise: fresh OS entropy unless a seed is asked for explicitly.
+
+    >>> k = curator_key()  # ChaCha20 key from OS entropy
+    >>> k2 = curator_key(0)  # reproducible, for tests and examples only
+    """
+    if rng_key is None:
+        from d3pext.prng import secure_key
+
+        return secure_key()
+    if isinstance(rng_key, int):
+        return jax.random.key(rng_key)
+    return rng_key
+
+
+def _statistic_placeholder(msg: dict) -> jax.Array | None:
+    infer = msg.get("infer") or {}
+    return infer.get("statistic") if "privatize" in infer else None
+
+
+def make_release(
+    model: Callable,
+    *args: Any,
+    rng_key: jax.Array | int | None = None,
+    ledger: Any = None,
+    **kwargs: Any,
+) -> dict[str, jax.Array]:
+    """Curator side: run a privatized model forward on confidential data and return the releases.
+
+    The confidential data go in through the model's arguments (observed sites). The model is
+    traced without drawing any release noise; then each release is drawn by its mechanism
+    (``mechanism.release``), from OS entropy unless ``rng_key`` is given. With a ``ledger``
+    (:class:`d3pext.accountants.ledger.PrivacyLedger`) each cost is checked and recorded before
+    its noise is drawn (``ledger.release``), so a refused release draws nothing.
+
+    >>> import jax.numpy as jnp
+    >>> import numpyro, numpyro.distributions as dist
+    >>> from d3pext.accountants.ledger import PrivacyLedger
+    >>> from d3pext.mechanisms import LaplaceMechanism
+    >>> def model(n, x=None):
+    ...     theta = numpyro.sample("theta", dist.Beta(1.0, 1.0))
+    ...     with numpyro.plate("records", n):
+    ...         numpyro.sample("x", dist.Bernoulli(theta), obs=x)
+    >>> private = privatize(model, site="x", mechanism=LaplaceMechanism(0.5))
+    >>> ledger = PrivacyLedger(budget_epsilon=1.0)
+    >>> release = make_release(private, 5, jnp.array([1, 0, 1, 1, 0]), ledger=ledger)
+    >>> sorted(release), ledger.spent()
+    (['x_dp'], (0.5, 0.0))
+    """
+    model_key = curator_key(rng_key)
+    model_trace = trace(
+        substitute(seed(model, model_key), substitute_fn=_statistic_placeholder)
+    ).get_trace(*args, **kwargs)
+    infos = release_sites(model_trace)
+    if not infos:
+        raise ValueError("The model has no release sites: wrap it with privatize(...).")
+    for info in infos.values():
+        if not model_trace[info.source]["is_observed"]:
+            raise ValueError(
+                f"The confidential site {info.source!r} is not observed: pass the confidential "
+                "data to the model so that the release is computed from them."
+            )
+    releases = {}
+    for i, (name, info) in enumerate(infos.items()):
+        statistic = model_trace[name]["infer"]["statistic"]
+        key = None if rng_key is None else jax.random.fold_in(model_key, i)
+        if ledger is not None:
+            releases[name] = ledger.release(name, info.mechanism, statistic, rng_key=key)
+        else:
+            releases[name] = info.mechanism.release(key, statistic)
+    return releases
