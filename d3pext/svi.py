@@ -550,7 +550,9 @@ class DPSVI(SVI):
         if stable:
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(jnp.reshape(g, (g.shape[0], -1))), axis=1) for g in jax.tree.leaves(grads)]), axis=0)
             mask = mask & finite & jnp.isfinite(losses)
-            grads = jax.tree.map(lambda g: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (g.ndim - 1)), g, 0.0), grads)
+        # Padding slots (Poisson batches) hold real records that were not sampled: select, never multiply by 0,
+        # so that not even a NaN of theirs can reach the sum.
+        grads = jax.tree.map(lambda g: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (g.ndim - 1)), g, 0.0), grads)
         c = self.clipping_threshold
         norms = _tree_norms(grads)
         weights = jnp.where(mask, c / jnp.maximum(norms, c), 0.0)

@@ -317,3 +317,15 @@ def test_default_key_is_os_entropy_chacha(data):
     second = svi.run(None, 20, x, y, progress_bar=False)
     assert "chacha" in str(jax.random.key_impl(first.state.rng_key)).lower()
     assert not np.allclose(first.params["auto_loc"], second.params["auto_loc"])
+
+
+def test_poisson_sampler_plate_mode(data):
+    """sampler='poisson': add/remove accounting, the padded slots never contribute, delta includes the tail."""
+    x, y = data
+    svi = DPSVI(logistic, AutoDiagonalNormal(logistic), numpyro.optim.Adam(0.05), Trace_ELBO(),
+                clipping_threshold=1.0, epsilon=1.0, delta=1e-5, num_steps=50, sampler="poisson")
+    result = svi.run(jax.random.key(0), 50, x, y, progress_bar=False)
+    report = result.privacy
+    assert report.relation == "add_remove" and report.sampler == "PoissonSampler"
+    assert report.epsilon <= 1.0 and report.delta > 1e-5  # the truncation's tail probability is added
+    assert bool(jnp.all(jnp.isfinite(result.losses)))
