@@ -7,17 +7,19 @@
 - JAX, ``--releases`` x ``--chains`` chains in one compiled call.
 
 Every rate is in chain-iterations per second of wall-clock time and per second of CPU time of
-this process (the CPU rate is the fairer one on a shared machine). The JAX samplers are compiled
+this process. On a shared machine pin the process to one core (``--cpu 1``): unpinned, the
+rates of all four samplers move by factors of two with the load of the other processes. The JAX samplers are compiled
 by a first call (its time is printed) and timed on a second call (``sample_releases`` caches the
 compiled sampler). The posterior mean and sd of ``theta`` for the same release are printed for
 each sampler as a check that they run the same algorithm.
 
-Run: ``python benchmarks/bench_expfam.py [--chains 32] [--releases 32] [--iters 2000]``.
+Run: ``python benchmarks/bench_expfam.py [--chains 32] [--releases 32] [--iters 2000] [--cpu 1]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -91,7 +93,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--numpy-iters", type=int, default=20000)
     parser.add_argument("--numpy-chains", type=int, default=200)
+    parser.add_argument("--cpu", type=int, default=None, help="pin the process to this core")
     args = parser.parse_args()
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
     burn = 200
     rows = []  # (name, chain-iterations, wall s, cpu s, theta draws)
 
@@ -117,8 +122,9 @@ def main() -> None:
         rows.append((f"jax, {releases} releases x {chains} chains", releases * chains * args.iters,
                      wall, cpu, np.asarray(out["theta"][0])[:, burn:]))
 
-    print(f"device: {jax.devices()[0]}, n = {N}, epsilon = {EPS}, prior Beta({A:g}, {B:g}), "
-          f"release {Y}")
+    pinned = "all cores" if args.cpu is None else f"pinned to core {args.cpu}"
+    print(f"device: {jax.devices()[0]} ({pinned}), n = {N}, epsilon = {EPS}, "
+          f"prior Beta({A:g}, {B:g}), release {Y}")
     for releases, chains, wall, cpu in compile_times:
         print(f"first call (compile + run), jax {releases} x {chains}: {wall:.1f} s wall, "
               f"{cpu:.1f} s CPU")

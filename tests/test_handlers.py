@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import jax
 from jax import random
 import jax.numpy as jnp
 
