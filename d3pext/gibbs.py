@@ -536,7 +536,7 @@ class ExpFamGibbs(MCMCKernel):
 
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
         model_kwargs = {} if model_kwargs is None else dict(model_kwargs)
-        rng_key, key_trace = random.split(rng_key)
+        rng_key, key_trace, key_params = random.split(rng_key, 3)
         tr = trace(
             substitute(seed(conditioned(self._model), key_trace), substitute_fn=init_to_uniform)
         ).get_trace(*model_args, **model_kwargs)
@@ -554,17 +554,24 @@ class ExpFamGibbs(MCMCKernel):
                     "use it as a block of numpyro.infer.Gibbs with NUTS for them."
                 )
         z = {name: jnp.asarray(tr[name]["value"]) for name in self.sites}
+        draws = _Draws.per_call(key_params, _float_dtype())
         for blk in self._blocks:
-            if blk.naive:
-                continue
-            y = jnp.asarray(tr[blk.release]["value"], jnp.result_type(float)) / blk.release_scale
-            family = family_of(tr[blk.source]["fn"])
-            lo, hi = _stat_range(family, blk.num_records)
-            z[blk.stat] = jnp.clip(y, lo, hi)
-            if blk.full_stat is not None:
-                z[blk.full_stat] = jnp.clip(y, lo, hi)
-            if blk.noise_var is not None:
-                z[blk.noise_var] = jnp.full(jnp.shape(y), 2 * blk.noise_scale**2)
+            y = jnp.asarray(tr[blk.release]["value"], draws.dtype) / blk.release_scale
+            record = record_distribution(tr[blk.source]["fn"])
+            lo, hi = _stat_range(family_of(record), blk.num_records)
+            stat = jnp.clip(y, lo, hi)
+            if not blk.naive:
+                z[blk.stat] = stat
+                if blk.full_stat is not None:
+                    z[blk.full_stat] = stat
+                if blk.noise_var is not None:
+                    z[blk.noise_var] = jnp.full(jnp.shape(y), 2 * blk.noise_scale**2)
+            # the parameters start from their conditional given the statistic at the release: a
+            # start drawn over the prior's support can fall into a mode of negligible mass that
+            # Gibbs does not leave (a truncated statistic is not monotone in the parameter)
+            for site, param in blk.params:
+                posterior = conjugate_posterior(tr[site]["fn"], stat, blk.num_records, record, param)
+                z[site] = _sample_posterior(draws, posterior).astype(z[site].dtype)
         if init_params:
             z.update({k: jnp.asarray(v) for k, v in init_params.items() if k in z})
         return ExpFamGibbsState(z, rng_key, jnp.zeros((), jnp.int32))
