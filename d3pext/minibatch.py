@@ -133,6 +133,56 @@ def _feistel_walk(
     return x.astype(jnp.int32)
 
 
+def _chunk_size(num_records: int, batch_size: int, num_bits: int) -> int:
+    """Static number of Feistel inputs per pass of :func:`_feistel_rank_walk`.
+
+    Among ``M`` distinct inputs the number whose image lands in ``[0, N)`` is
+    hypergeometric with mean ``M p``, ``p = N / 2**b``, and variance below
+    ``M p (1 - p)``; ``M`` is the smallest with ``M p - 4 sd >= B``, so a second pass
+    is needed with probability below about ``3e-5``.
+    """
+    domain = 1 << num_bits
+    p = num_records / domain
+    z = 4.0
+    # M p - z sqrt(M p (1 - p)) >= B: a quadratic in sqrt(M)
+    root = (z * math.sqrt(p * (1 - p)) + math.sqrt(z * z * p * (1 - p) + 4 * p * batch_size)) / (2 * p)
+    return int(min(domain, math.ceil(root * root)))
+
+
+def _feistel_rank_walk(
+    rng_key: jax.Array, num_records: int, batch_size: int, num_rounds: int
+) -> jax.Array:
+    """The first ``B`` values of ``pi(0), pi(1), ...`` that fall in ``[0, N)``.
+
+    ``pi`` is the Feistel permutation of ``[0, 2**b)``. The in-range values of the
+    sequence, in order, are a bijection of ``[0, N)`` (the permutation induced on the
+    subset, like the cycle walk's), so for a uniform ``pi`` the result is a uniform
+    random ``B``-subset in uniformly random order. Unlike the cycle walk, which
+    re-applies the network to all ``B`` lanes until the slowest lands (about
+    ``log2(B) + 1.3`` passes), it evaluates ``pi`` on about ``B / p`` inputs in one
+    pass (see :func:`_chunk_size`), 2.5-3x less work.
+    """
+    num_bits = (num_records - 1).bit_length()
+    domain = 1 << num_bits
+    chunk = _chunk_size(num_records, batch_size, num_bits)
+    round_keys = jax.random.bits(rng_key, (num_rounds, 2), jnp.uint32)
+    n = np.uint32(num_records)
+
+    def one_pass(state):
+        out, count, start = state
+        i = start + lax.iota(jnp.uint32, chunk)
+        y = _feistel(i, round_keys, num_bits)
+        hit = (y < n) & (i < np.uint32(domain))
+        slot = count + jnp.cumsum(hit, dtype=jnp.int32) - 1
+        slot = jnp.where(hit, slot, batch_size)  # misses and overflow are dropped
+        out = out.at[slot].set(y.astype(jnp.int32), mode="drop")
+        return out, jnp.minimum(count + jnp.sum(hit, dtype=jnp.int32), batch_size), start + chunk
+
+    state = one_pass((jnp.zeros(batch_size, jnp.int32), jnp.int32(0), jnp.uint32(0)))
+    out, _, _ = lax.while_loop(lambda s: s[1] < batch_size, one_pass, state)
+    return out
+
+
 def _sorted_head(rng_key: jax.Array, num_records: int, batch_size: int) -> jax.Array:
     # Sorting 64-bit random keys orders [0, N) uniformly unless two keys tie, which
     # happens with probability at most C(N, 2) / 2**64 < 2e-15 for N <= 256.
@@ -145,27 +195,29 @@ def _sorted_head(rng_key: jax.Array, num_records: int, batch_size: int) -> jax.A
 def _random_subset(rng_key: jax.Array, num_records: int, batch_size: int) -> jax.Array:
     if num_records <= _SORT_MAX_RECORDS:
         return _sorted_head(rng_key, num_records, batch_size)
-    return _feistel_walk(rng_key, num_records, batch_size, _FEISTEL_ROUNDS)
+    return _feistel_rank_walk(rng_key, num_records, batch_size, _FEISTEL_ROUNDS)
 
 
 def feistel_indices(rng_key: jax.Array, num_records: int, batch_size: int) -> jax.Array:
     """A uniform random ``batch_size``-subset of ``range(num_records)``, in random order.
 
     Evaluates a keyed Feistel-network permutation of ``[0, 2**b)``,
-    ``b = ceil(log2(num_records))``, at ``0, ..., B-1`` and cycle-walks every value
-    until it lands in ``[0, N)`` (seed 003, section 4.3): ``O(B)`` work, no sort and
-    no full permutation, so the cost does not depend on ``N``. Round keys come from
-    ``rng_key`` (any JAX key, e.g. :func:`d3pext.prng.secure_key`); the round
-    function is Threefry-2x32, with 16 rounds. The order is random too: every prefix
-    of the result is a uniform random subset of its length.
+    ``b = ceil(log2(num_records))``, and keeps the first ``B`` images of
+    ``0, 1, 2, ...`` that land in ``[0, N)``: like the cycle walk of seed 003
+    (section 4.3), this restricts the permutation of ``[0, 2**b)`` to a bijection of
+    ``[0, N)``, so the result is a uniform ``B``-subset without replacement for a
+    pseudo-random permutation; ``O(B)`` work, no sort and no full permutation, so the
+    cost does not depend on ``N``. Round keys come from ``rng_key`` (any JAX key, e.g.
+    :func:`d3pext.prng.secure_key`); the round function is Threefry-2x32, with 16
+    rounds. The order is random too: every prefix of the result is a uniform random
+    subset of its length.
 
-    Cost: one pass applies the network to all ``B`` values; a value lands in
-    ``[0, N)`` with probability ``p = N / 2**b > 1/2``, so (for a pseudo-random
-    permutation) the walk of one value takes ``L`` passes with
-    ``P(L > l) = (1 - p)**l`` and ``E[L] = 1/p < 2`` (seed 003, eqs. 9-12); the
-    batch needs ``max L`` passes, more than ``l`` with probability at most
-    ``B (1 - p)**l`` (eq. 13); its mean is about ``log2(B) + 1.3`` in the worst case,
-    ``p`` close to 1/2.
+    Cost: a value lands in ``[0, N)`` with probability ``p = N / 2**b > 1/2``. The
+    cycle walk from ``0, ..., B-1`` needs ``max L`` passes over all ``B`` values, where
+    one walk's length has ``P(L > l) = (1 - p)**l`` (seed 003, eqs. 9-13): about
+    ``log2(B) + 1.3`` passes when ``p`` is close to 1/2. Here one pass over about
+    ``B / p + 4 sd`` inputs suffices except with probability about ``3e-5`` (then a
+    second pass follows): 2.5-6x faster than the cycle walk (``bench_minibatch.py``).
 
     No Feistel network mixes on a handful of values without very many rounds, so
     for ``N <= 256`` the subset is instead the head of a random sort of ``[0, N)``

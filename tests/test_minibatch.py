@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from d3pext import minibatch
 from d3pext.accountants import Relation
 from d3pext.minibatch import (
     FixedSizeSampler,
     PoissonSampler,
     _feistel,
+    _feistel_rank_walk,
     _feistel_walk,
     _threefry2x32,
     feistel_indices,
@@ -111,6 +113,25 @@ def test_cycle_walk_is_a_permutation(num_records):
     np.testing.assert_array_equal(np.sort(out, axis=1), np.tile(np.arange(num_records), (3, 1)))
 
 
+@pytest.mark.parametrize("num_records", [300, 513, 1000])
+def test_rank_walk_is_a_permutation(num_records):
+    walk = jax.jit(jax.vmap(lambda k: _feistel_rank_walk(k, num_records, num_records, 16)))
+    out = np.asarray(walk(jax.random.split(jax.random.key(num_records), 3)))
+    np.testing.assert_array_equal(np.sort(out, axis=1), np.tile(np.arange(num_records), (3, 1)))
+
+
+def test_rank_walk_passes_do_not_change_the_result(monkeypatch):
+    # the result is a function of the permutation alone: the first B in-range images of
+    # 0, 1, 2, ...; forcing many short passes (7 inputs each) must give the same subset
+    # and order as the single pass, including a full permutation (B = N)
+    keys = jax.random.split(jax.random.key(5), 4)
+    expected = [np.asarray(_feistel_rank_walk(k, n, b, 16)) for k in keys for n, b in ((513, 40), (600, 600))]
+    monkeypatch.setattr(minibatch, "_chunk_size", lambda *args: 7)
+    got = [np.asarray(_feistel_rank_walk(k, n, b, 16)) for k in keys for n, b in ((513, 40), (600, 600))]
+    for e, g in zip(expected, got):
+        np.testing.assert_array_equal(e, g)
+
+
 @pytest.mark.parametrize(
     "num_records,batch_size",
     [(1, 1), (2, 2), (3, 2), (10, 3), (17, 5), (1000, 100), (2**20 + 1, 1000)],
@@ -144,7 +165,7 @@ def test_uniform_subsets_small_n():
     # random order: every position is uniform over the records
     for pos in range(b):
         assert stats.chisquare(np.bincount(idx[:, pos], minlength=n)).pvalue > ALPHA
-    weak = draw(lambda k: _feistel_walk(k, n, b, 4), s, seed=1)
+    weak = draw(lambda k: _feistel_rank_walk(k, n, b, 4), s, seed=1)
     assert subset_pvalue(weak, n) < 1e-6
 
 
