@@ -191,14 +191,21 @@ def _sorted_head(rng_key: jax.Array, num_records: int, batch_size: int) -> jax.A
     return order[:batch_size]
 
 
-@partial(jax.jit, static_argnums=(1, 2))
-def _random_subset(rng_key: jax.Array, num_records: int, batch_size: int) -> jax.Array:
+_WALKS = {"rank": _feistel_rank_walk, "cycle": _feistel_walk}
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _random_subset(
+    rng_key: jax.Array, num_records: int, batch_size: int, walk: str = "rank"
+) -> jax.Array:
     if num_records <= _SORT_MAX_RECORDS:
         return _sorted_head(rng_key, num_records, batch_size)
-    return _feistel_rank_walk(rng_key, num_records, batch_size, _FEISTEL_ROUNDS)
+    return _WALKS[walk](rng_key, num_records, batch_size, _FEISTEL_ROUNDS)
 
 
-def feistel_indices(rng_key: jax.Array, num_records: int, batch_size: int) -> jax.Array:
+def feistel_indices(
+    rng_key: jax.Array, num_records: int, batch_size: int, *, walk: Literal["rank", "cycle"] = "rank"
+) -> jax.Array:
     """A uniform random ``batch_size``-subset of ``range(num_records)``, in random order.
 
     Evaluates a keyed Feistel-network permutation of ``[0, 2**b)``,
@@ -227,6 +234,8 @@ def feistel_indices(rng_key: jax.Array, num_records: int, batch_size: int) -> ja
         rng_key: a JAX PRNG key (typed or raw).
         num_records: ``N``, the data set size, ``1 <= N < 2**31`` (static).
         batch_size: ``B``, ``1 <= B <= N`` (static).
+        walk: ``"rank"`` (default, one pass as above) or ``"cycle"`` (seed 003's cycle
+            walk from ``0, ..., B-1``; a different, equally uniform subset for the same key).
 
     Returns:
         ``int32[B]``: distinct indices in ``[0, N)``.
@@ -238,7 +247,9 @@ def feistel_indices(rng_key: jax.Array, num_records: int, batch_size: int) -> ja
     """
     num_records = _check_int("num_records", num_records, 1, _MAX_RECORDS)
     batch_size = _check_int("batch_size", batch_size, 1, num_records)
-    return _random_subset(rng_key, num_records, batch_size)
+    if walk not in _WALKS:
+        raise ValueError(f"walk must be one of {tuple(_WALKS)}, got {walk!r}")
+    return _random_subset(rng_key, num_records, batch_size, walk)
 
 
 def _check_rate(name: str, value: object) -> float:

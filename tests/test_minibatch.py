@@ -141,8 +141,8 @@ def test_distinct_and_in_range(num_records, batch_size):
     # and in the scan test
     key_fns = (jax.random.key, chacha_key) if num_records > 2**20 else (jax.random.key,)
     num_draws = 16 if num_records > 2**20 else 64
-    for key_fn in key_fns:
-        idx = draw(lambda k: feistel_indices(k, num_records, batch_size), num_draws, key_fn=key_fn)
+    for key_fn, walk in itertools.product(key_fns, ("rank", "cycle")):
+        idx = draw(lambda k: feistel_indices(k, num_records, batch_size, walk=walk), num_draws, key_fn=key_fn)
         assert idx.dtype == np.int32 and idx.shape == (num_draws, batch_size)
         assert idx.min() >= 0 and idx.max() < num_records
         assert all(len(set(row)) == batch_size for row in idx.tolist())
@@ -391,6 +391,7 @@ def test_samplers_as_static_arguments():
         (lambda: PoissonSampler(10, 0.1).extra_delta(-1.0, 5), ValueError, "epsilon"),
         (lambda: PoissonSampler(10, 0.1).extra_delta(1.0, -5), ValueError, "num_steps"),
         (lambda: feistel_indices(jax.random.key(0), 5, 6), ValueError, "batch_size"),
+        (lambda: feistel_indices(jax.random.key(0), 500, 6, walk="sort"), ValueError, "walk"),
         (lambda: subsample_batchify_data((np.ones(5),), 2, with_replacement=True),
          ValueError, "replacement"),
         (lambda: subsample_batchify_data((np.ones(5),)), ValueError, "exactly one"),
