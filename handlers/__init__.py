@@ -9,6 +9,7 @@ from .posterior import (
     inspect_model,
     private_posterior,
     register_backend,
+    register_fitter,
     sample_releases,
 )
 from .privatize import ReleaseInfo, curator_key, make_release, privatize, release_sites
@@ -26,6 +27,12 @@ __all__ = [
     "private_posterior",
     "privatize",
     "register_backend",
+    "register_fitter",
     "release_sites",
     "sample_releases",
 ]
+
+# backends of later methods register themselves on import
+import d3pext.bounded  # noqa: E402,F401  (Kazan & Reiter bounded Gaussian)
+import d3pext.counts  # noqa: E402,F401  (Schein et al. Bessel augmentation for counts)
+import d3pext.sbi  # noqa: E402,F401  (Xiong, Ju & Zhang "sppe" and "sple"; flowjax imported on use)

@@ -70,6 +70,7 @@ __all__ = [
     "inspect_model",
     "private_posterior",
     "register_backend",
+    "register_fitter",
     "released",
     "sample_releases",
 ]
@@ -126,9 +127,35 @@ def register_backend(method: str, name: str | None = None) -> Callable[[Backend]
     return decorator
 
 
+Fitter = Callable[..., Any]
+_FITTERS: dict[str, Fitter] = {}
+
+
+def register_fitter(method: str) -> Callable[[Fitter], Fitter]:
+    """Register a *fitted* method (e.g. simulation-based SPPE/SPLE), which is not an MCMC kernel.
+
+    :func:`private_posterior` hands such a method ``(model, data, **options)``, where the options
+    are its keyword arguments (``num_warmup``, ``num_samples``, ``num_chains`` and any extra
+    ones), and returns what the fitter returns (an object with ``.run(rng_key, *model_args)``).
+
+    >>> @register_fitter("my-fitted")
+    ... def my_fitter(model, data, **options):
+    ...     return ("fitted", sorted(options))
+    >>> "my-fitted" in available_methods()
+    True
+    >>> _ = _FITTERS.pop("my-fitted")
+    """
+
+    def decorator(fitter: Fitter) -> Fitter:
+        _FITTERS[method] = fitter
+        return fitter
+
+    return decorator
+
+
 def available_methods() -> tuple[str, ...]:
-    """The methods with at least one registered backend."""
-    return tuple(_BACKENDS)
+    """The methods with at least one registered backend or fitter."""
+    return tuple(_BACKENDS) + tuple(m for m in _FITTERS if m not in _BACKENDS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -612,7 +639,9 @@ def private_posterior(
     :param data: ``{release site: released value}``.
     :param method: ``"gibbs"`` (Bernstein & Sheldon augmentation), ``"naive"`` (release taken
         as exact), ``"clt"`` (NUTS with the statistic under its CLT approximation) or any method
-        added with :func:`register_backend`.
+        added with :func:`register_backend`. A method added with :func:`register_fitter`
+        (``"sppe"``, ``"sple"`` once :mod:`d3pext.sbi` is imported) returns its own fitted
+        object instead of an ``MCMC``, and receives the extra keyword arguments.
     :param sections: covariance of the truncation sections for truncated statistics:
         ``"joint"`` (multinomial, default) or ``"independent"`` (as printed in the paper).
     :param nuts_kwargs: arguments of the NUTS blocks for non-conjugate parameters.
@@ -639,6 +668,11 @@ def private_posterior(
     >>> bool(0.35 < samples["theta"].mean() < 0.47)
     True
     """
+    if method in _FITTERS:
+        return _FITTERS[method](
+            model, data, num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
+            **mcmc_kwargs,
+        )
     options = {"sections": sections}
     if nuts_kwargs:
         options["nuts_kwargs"] = nuts_kwargs

@@ -33,8 +33,11 @@ from d3pext.expfam import family_of, record_distribution
 
 __all__ = ["ReleaseInfo", "curator_key", "make_release", "privatize", "release_sites"]
 
-StatisticKind = Literal["sufficient", "mean", "records"]
-_KINDS = ("sufficient", "mean", "records")
+StatisticKind = Literal["sufficient", "mean", "records", "sample_mean", "sample_variance"]
+_KINDS = ("sufficient", "mean", "records", "sample_mean", "sample_variance")
+# statistics of bounded scalar records (Kazan & Reiter, seed 001): records are clipped into the
+# bounds, the sensitivities are (b - a) / n and (b - a)^2 / n (Du et al. 2020, Lemmas 11-12)
+_BOUNDED_KINDS = ("sample_mean", "sample_variance")
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,11 @@ class privatize(Messenger):
     :param mechanism: a mechanism of :mod:`d3pext.mechanisms`; when its sensitivity is ``None``
         it is derived from the family of the records and the bounds.
     :param statistic: ``"sufficient"`` (sum of the sufficient statistics ``t(x_i)``),
-        ``"mean"`` (that sum over ``n``), ``"records"`` (each ``t(x_i)``: local privacy) or a
-        callable of the site value (then the mechanism needs an explicit sensitivity).
+        ``"mean"`` (that sum over ``n``), ``"records"`` (each ``t(x_i)``: local privacy),
+        ``"sample_mean"`` / ``"sample_variance"`` (of scalar records clipped into ``bounds``,
+        which are required; variance with denominator ``n - 1``; sensitivities ``(b - a) / n``
+        and ``(b - a)^2 / n``) or a callable of the site value (then the mechanism needs an
+        explicit sensitivity).
     :param bounds: ``(a, b)``, needed when ``t(x)`` is unbounded.
     :param bounds_method: ``"truncate"`` (drop records outside ``[a, b]``; sensitivity bound of
         Bernstein & Sheldon section 3.3) or ``"clamp"`` (clip records into ``[a, b]``).
@@ -147,6 +153,8 @@ class privatize(Messenger):
             if not a < b:
                 raise ValueError(f"bounds must satisfy a < b, got ({a}, {b}).")
             bounds = (a, b)
+        if statistic in _BOUNDED_KINDS and bounds is None:
+            raise ValueError(f"statistic={statistic!r} needs bounds=(a, b) on the records.")
         if bounds_method not in ("truncate", "clamp"):
             raise ValueError(f"bounds_method must be 'truncate' or 'clamp', got {bounds_method!r}.")
         self.site = site
@@ -178,6 +186,8 @@ class privatize(Messenger):
 
     def _statistic(self, msg: dict) -> tuple[jax.Array, float | None, int, tuple[int, ...]]:
         value = msg["value"]
+        if self.statistic in _BOUNDED_KINDS:
+            return self._bounded_statistic(value)
         if callable(self.statistic):
             stat = jnp.asarray(self.statistic(value))
             return stat, None, int(np.prod(msg["fn"].batch_shape)), stat.shape
@@ -211,6 +221,16 @@ class privatize(Messenger):
         if self.statistic == "mean":
             return stat / n, sensitivity / n, n, family.stat_shape
         return stat, sensitivity, n, family.stat_shape
+
+    def _bounded_statistic(self, value) -> tuple[jax.Array, float, int, tuple[int, ...]]:
+        a, b = self.bounds
+        n = int(np.prod(jnp.shape(value)))
+        if n < 2:
+            raise ValueError(f"privatize({self.site!r}): {self.statistic} needs n >= 2 records.")
+        x = jnp.clip(value, a, b)
+        if self.statistic == "sample_mean":
+            return jnp.mean(x), (b - a) / n, n, ()
+        return jnp.var(x, ddof=1), (b - a) ** 2 / n, n, ()
 
     def _emit(self, msg: dict) -> None:
         stat, derived, n, stat_shape = self._statistic(msg)

@@ -1,5 +1,6 @@
 """Models of the seed papers, written as ordinary NumPyro code with privacy annotations."""
 
+from d3pext.models.bounded_gaussian import BLOOD_LEAD, bounded_gaussian_model, private_bounded_gaussian
 from d3pext.models.expfam import (
     beta_binomial_model,
     dirichlet_multinomial_model,
@@ -22,6 +23,40 @@ from d3pext.models.mixture import (
     gaussian_mixture_guide,
     gaussian_mixture_likelihood,
     simulate_mixture,
+)
+from d3pext.models.linear_regression import (
+    PAPER_BETA,
+    PAPER_S_DP,
+    linear_regression_model,
+    linear_regression_naive_posterior,
+    linear_regression_reference,
+    linear_regression_sensitivity,
+    linear_regression_statistic,
+    private_linear_regression,
+)
+from d3pext.models.poisson_factorization import (
+    CommunityModelUpdates,
+    NetworkData,
+    TopicCorpus,
+    TopicModelUpdates,
+    community_model,
+    community_rates,
+    private_community_model,
+    private_topic_model,
+    simulate_network,
+    simulate_topic_corpus,
+    topic_model,
+    topic_rates,
+)
+from d3pext.models.sir import (
+    PAPER_FLU_S_DP,
+    PAPER_SIR_S_DP,
+    PAPER_SIR_THETA,
+    PAPER_TIMES,
+    SIRTrajectory,
+    gillespie_sir,
+    private_sir,
+    sir_model,
 )
 from d3pext.models.vae import simulate_binary_images, vae_decoder, vae_encoder, vae_guide, vae_model
 
@@ -50,4 +85,35 @@ __all__ = [
     "vae_encoder",
     "vae_guide",
     "vae_model",
+    "PAPER_BETA",
+    "PAPER_S_DP",
+    "linear_regression_model",
+    "linear_regression_naive_posterior",
+    "linear_regression_reference",
+    "linear_regression_sensitivity",
+    "linear_regression_statistic",
+    "private_linear_regression",
+    "CommunityModelUpdates",
+    "NetworkData",
+    "TopicCorpus",
+    "TopicModelUpdates",
+    "community_model",
+    "community_rates",
+    "private_community_model",
+    "private_topic_model",
+    "simulate_network",
+    "simulate_topic_corpus",
+    "topic_model",
+    "topic_rates",
+    "PAPER_FLU_S_DP",
+    "PAPER_SIR_S_DP",
+    "PAPER_SIR_THETA",
+    "PAPER_TIMES",
+    "SIRTrajectory",
+    "gillespie_sir",
+    "private_sir",
+    "sir_model",
+    "BLOOD_LEAD",
+    "bounded_gaussian_model",
+    "private_bounded_gaussian",
 ]

@@ -1,0 +1,87 @@
+"""Time to fit SPPE / SPLE on the linear-regression example of seed 000, split into
+proposal / simulation / training, and the RQMC-vs-MC RMSE slopes of the inner integral.
+
+    python benchmarks/bench_sbi.py                      # paper size: 10 rounds x 1000 sims, M = 32
+    python benchmarks/bench_sbi.py --rounds 2 --sims 1000 --num-points 8 --layers 4 --width 32
+
+Prints one table row per method (seconds, and the share spent training) and the slopes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+from jax import random
+import jax.numpy as jnp
+
+import d3pext.sbi  # noqa: F401  (registers sppe / sple)
+from d3pext import rqmc
+from d3pext.handlers import private_posterior
+from d3pext.mechanisms import BinomialMechanism, LaplaceMechanism
+from d3pext.models.linear_regression import PAPER_S_DP, private_linear_regression
+
+
+def fit(method: str, args) -> dict:
+    model = private_linear_regression(100, 10.0, sensitivity=0.13)
+    post = private_posterior(
+        model, {"records_dp": jnp.array(PAPER_S_DP)}, method=method, rounds=args.rounds,
+        simulations_per_round=args.sims, num_points=args.num_points, max_epochs=args.max_epochs,
+        flow_kwargs=dict(layers=args.layers, width=args.width), progress_bar=False,
+        num_warmup=200, num_chains=4,
+    )
+    t0 = time.perf_counter()
+    post.run(random.key(0), 100)
+    total = time.perf_counter() - t0
+    draws = post.sample(random.key(1), 2000)["beta"]
+    d = post.diagnostics
+    return {
+        "method": method, "total_s": total,
+        "propose_s": sum(r["propose_s"] for r in d), "simulate_s": sum(r["simulate_s"] for r in d),
+        "train_s": sum(r["train_s"] for r in d), "epochs": sum(r["epochs"] for r in d),
+        "mean": [round(float(v), 2) for v in draws.mean(0)],
+    }
+
+
+def slopes() -> dict:
+    s_tilde = jnp.array([-0.3742, -0.0629, 0.0299, 0.2499, 0.0938, -0.1270, 0.0180, -0.0094, 0.0280])
+    lap = LaplaceMechanism(10.0, sensitivity=0.13)
+    binom = BinomialMechanism.from_pseudo_count(1000, 1000.0, 10**6, sensitivity=10.0)
+    counts = jnp.array([1.0, 3e4, 6e5, 2.6e5, 1.2e5, 4.7e4, 1.8e4, 9e3, 5e3, 3e3])
+    ms = (8, 32, 128, 512)
+    out = {}
+    for name, mech, value, g in (
+        ("laplace", lap, s_tilde, lambda s: jnp.tanh(10 * jnp.sum(s * jnp.linspace(-1, 1, 9), -1))),
+        ("binomial", binom, counts, lambda s: jnp.log1p(jnp.sum(s * jnp.linspace(0.1, 1, 10), -1) / 100)),
+    ):
+        c = rqmc.convergence_study(g, mech, value, ms, random.key(0), 100, 2**14)
+        out[name] = (c["slope_mc"], c["slope_rqmc"], c["rmse_mc"][-1] / c["rmse_rqmc"][-1])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--sims", type=int, default=1000)
+    p.add_argument("--num-points", type=int, default=32)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=50)
+    p.add_argument("--max-epochs", type=int, default=1000)
+    p.add_argument("--methods", default="sple,sppe")
+    p.add_argument("--skip-slopes", action="store_true")
+    args = p.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {args.rounds} rounds x {args.sims} "
+          f"sims, M={args.num_points}, flow {args.layers} layers x {args.width}")
+    if not args.skip_slopes:
+        for name, (mc, q, ratio) in slopes().items():
+            print(f"RQMC vs MC ({name}): slope MC {mc:.2f}, RQMC {q:.2f}; MC/RQMC RMSE at M=512: {ratio:.1f}x")
+    for method in args.methods.split(","):
+        r = fit(method, args)
+        print(f"{r['method']}: total {r['total_s']:.0f} s = propose {r['propose_s']:.0f} + simulate "
+              f"{r['simulate_s']:.0f} + train {r['train_s']:.0f} ({r['epochs']} epochs; "
+              f"{100 * r['train_s'] / r['total_s']:.0f}% training); posterior mean {r['mean']}")
+
+
+if __name__ == "__main__":
+    main()

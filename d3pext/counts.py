@@ -1,0 +1,617 @@
+"""Locally private count data: the geometric mechanism on each count and the Schein et al.
+augmentation that recovers the counts inside MCMC (seed 002).
+
+Each confidential count ``y ~ Pois(mu)`` is released as ``y~ = y + tau``, ``tau ~ 2Geo(alpha)``
+(:func:`privatize_counts`; Theorem 1: for observations within L1 distance ``N`` the release is
+``epsilon = N ln(1/alpha)`` private, :func:`limited_precision_mechanism`). With the noise written as
+``Skel(lambda+, lambda-)``, ``lambda+- ~ Exp(mean alpha / (1 - alpha))`` (Theorem 2), one sweep of
+the count update (:func:`sample_true_counts`) is, element-wise,
+
+1. ``m ~ Bessel(|y~|, 2 sqrt((lambda+ + mu) lambda-))`` (eq. 13, Theorem 3): the minimum of
+   ``y+ = y + g+`` and ``g-``, whose difference is ``y~``; then ``y+`` and ``g-`` (eq. 14);
+2. ``y ~ Binom(y+, mu / (mu + lambda+))`` and ``g+ = y+ - y`` (eq. 15);
+3. ``lambda* ~ Gamma(1 + g*, rate 1/alpha)`` (eq. 16; the prior rate ``(1 - alpha)/alpha`` plus 1).
+
+The model's own (non-private) updates then run on the sampled counts. :class:`CountGibbs` is the
+kernel; it is built by the ``private_posterior`` backends registered here:
+
+- ``"gibbs"`` / ``"schein-bessel"``: the augmentation above;
+- ``"naive"`` / ``"truncated-counts"``: the release, negative counts truncated at zero, taken as
+  the exact counts (the paper's naive baseline, i.e. the truncated geometric mechanism).
+
+The other latent sites are updated either by the model's declared non-private Gibbs updates or,
+if it declares none, by NUTS (as a block of :class:`numpyro.infer.Gibbs`). A model declares its
+updates on the count site: ``numpyro.sample("y", dist.Poisson(mu), infer={"count_updates":
+updates})`` with ``updates`` a :class:`CountUpdates` (see :mod:`d3pext.models.poisson_factorization`).
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+import math
+from typing import Any, ClassVar, NamedTuple, Optional
+
+import numpy as np
+
+import jax
+from jax import random
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+import numpyro
+import numpyro.distributions as dist
+from numpyro.distributions.distribution import ExpandedDistribution, Independent, MaskedDistribution
+from numpyro.handlers import seed, substitute, trace
+from numpyro.infer import NUTS, Gibbs
+from numpyro.infer.gibbs import conditioned
+from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.mcmc import MCMCKernel
+from numpyro.primitives import Messenger
+from numpyro.util import identity
+
+from d3pext.accountants.ledger import PrivacyCost
+from d3pext.distributions import TwoSidedGeometric, sample_bessel
+from d3pext.handlers.posterior import NotApplicable, PrivateModel, register_backend
+from d3pext.handlers.privatize import ReleaseInfo, privatize
+from d3pext.mechanisms import GeometricMechanism, Mechanism
+
+__all__ = [
+    "CountBlock",
+    "CountGibbs",
+    "CountGibbsState",
+    "CountUpdates",
+    "HeterogeneousGeometricMechanism",
+    "augment_counts",
+    "check_counts",
+    "limited_precision_mechanism",
+    "privatize_counts",
+    "sample_true_counts",
+]
+
+Array = jax.Array
+
+
+# ---------------------------------------------------------------------------------------------
+# Mechanisms and the release
+# ---------------------------------------------------------------------------------------------
+
+
+def limited_precision_mechanism(epsilon: float, N: int = 1) -> GeometricMechanism:
+    r"""The geometric mechanism that makes each observation ``(N, epsilon)``-private (seed 002,
+    Theorem 1): ``alpha = exp(-epsilon / N)``, so that observations within L1 distance ``N``
+    (e.g. a document and one with up to ``N`` more or fewer word tokens) are
+    ``epsilon``-indistinguishable.
+
+    >>> m = limited_precision_mechanism(2.0, N=4)
+    >>> round(m.alpha, 4), m.sensitivity
+    (0.6065, 4.0)
+    """
+    if isinstance(N, bool) or not np.isscalar(N) or not (N >= 1 and float(N) == int(N)):
+        raise ValueError(f"N must be a positive integer (the L1 neighbourhood), got {N!r}.")
+    if not np.isscalar(epsilon) or not (math.isfinite(float(epsilon)) and float(epsilon) > 0):
+        raise ValueError(f"epsilon must be finite and > 0, got {epsilon!r}.")
+    return GeometricMechanism(float(epsilon), sensitivity=float(N))
+
+
+def _nested_tuple(x: np.ndarray):
+    return tuple(_nested_tuple(v) for v in x) if x.ndim else float(x)
+
+
+@dataclass(frozen=True)
+class HeterogeneousGeometricMechanism(Mechanism):
+    r"""Two-sided geometric noise with a decay per record (or per group of records), e.g. one
+    ``alpha_d`` per document as in seed 002, section 5.1: ``release = value + 2Geo(alpha)`` with
+    ``alpha`` broadcast against the released counts (``alpha[:, None]`` for one per row).
+
+    Record ``i`` is ``(N, N ln(1/alpha_i))``-private; :attr:`epsilon` (what the ledger records)
+    is the guarantee that holds for every record, ``N ln(1 / min(alpha))``.
+
+    :param alpha: decays in (0, 1), any shape broadcastable to the counts.
+    :param sensitivity: ``N``, the L1 neighbourhood of an observation (default 1).
+
+    >>> import numpy as np
+    >>> m = HeterogeneousGeometricMechanism.from_alpha(np.array([[0.5], [0.9]]), sensitivity=2)
+    >>> round(m.epsilon, 4), m.log_alpha.shape
+    (1.3863, (2, 1))
+    """
+
+    kind: ClassVar[str] = "geometric"
+    alpha: Any = 0.5
+    sensitivity: Optional[float] = 1.0
+    neighbouring: str = "substitute"
+    _shape: tuple = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        a = np.asarray(self.alpha, np.float64)
+        if a.size == 0 or not np.all((a > 0) & (a < 1)):
+            raise ValueError(f"alpha must lie in (0, 1) for every record, got {self.alpha!r}.")
+        object.__setattr__(self, "alpha", _nested_tuple(a))
+        object.__setattr__(self, "_shape", a.shape)
+        self._validate_common()
+
+    @classmethod
+    def from_alpha(
+        cls, alpha: ArrayLike, sensitivity: float = 1.0, neighbouring: str = "substitute"
+    ) -> "HeterogeneousGeometricMechanism":
+        """The mechanism with per-record decays ``alpha``."""
+        return cls(np.asarray(alpha), sensitivity, neighbouring)
+
+    @property
+    def epsilon(self) -> float:
+        return -self._require_sensitivity() * float(np.log(np.min(self.alpha)))
+
+    @property
+    def delta(self) -> float:
+        return 0.0
+
+    @property
+    def log_alpha(self) -> np.ndarray:
+        return np.log(np.asarray(self.alpha, np.float64)).reshape(self._shape)
+
+    def noise_distribution(self) -> dist.Distribution:
+        return TwoSidedGeometric(log_alpha=jnp.asarray(self.log_alpha))
+
+    def release_distribution(self, value: ArrayLike) -> dist.Distribution:
+        return TwoSidedGeometric(log_alpha=jnp.asarray(self.log_alpha), loc=value)
+
+    def noise_icdf(self, u: ArrayLike) -> Array:
+        return self.noise_distribution().icdf(u)
+
+    def _check_value(self, value: ArrayLike) -> None:
+        check_counts(value, "the released value", nonnegative=False)
+        try:
+            np.broadcast_shapes(self._shape, np.shape(value))
+        except ValueError:
+            raise ValueError(
+                f"alpha of shape {self._shape} does not broadcast against the counts of shape "
+                f"{np.shape(value)}."
+            ) from None
+
+    def cost(self) -> PrivacyCost:
+        return PrivacyCost(
+            self.kind,
+            self.epsilon,
+            0.0,
+            self.neighbouring,
+            parameters={
+                "sensitivity": self._require_sensitivity(),
+                "alpha_min": float(np.min(self.alpha)),
+                "alpha_max": float(np.max(self.alpha)),
+            },
+        )
+
+
+def check_counts(value: ArrayLike, what: str = "counts", nonnegative: bool = True) -> np.ndarray:
+    """``value`` as an integer array; a clear ``ValueError`` for non-integer (or negative) counts.
+
+    >>> check_counts([0, 3, 2]).dtype.kind
+    'i'
+    """
+    x = np.asarray(value)
+    if x.dtype == bool or not (
+        np.issubdtype(x.dtype, np.integer)
+        or (np.issubdtype(x.dtype, np.floating) and np.all(np.isfinite(x)) and np.all(x == np.round(x)))
+    ):
+        raise ValueError(f"{what} must be integers, got {x.dtype} values such as {x.ravel()[:3]}.")
+    if nonnegative and np.any(x < 0):
+        raise ValueError(f"{what} must be non-negative integers (confidential counts).")
+    return x.astype(np.int64 if jax.config.jax_enable_x64 else np.int32)
+
+
+class privatize_counts(privatize):
+    """Release each count of the confidential site ``site`` through a geometric mechanism (local
+    privacy; the release ``f"{site}_dp"`` lives in the site's plates, one noisy count per count).
+
+    Like ``privatize(..., statistic="records")`` for count sites whose records need not be
+    identically distributed (Poisson factorization: a rate per count) and whose range is
+    unbounded: the privacy unit is set by the mechanism's sensitivity ``N`` (Theorem 1), not by
+    bounds on the counts.
+
+    :param fn: the model; ``site`` must be a count site (Poisson).
+    :param site: the confidential count site.
+    :param mechanism: :class:`~d3pext.mechanisms.GeometricMechanism` (e.g.
+        :func:`limited_precision_mechanism`) or :class:`HeterogeneousGeometricMechanism`.
+
+    >>> import jax.numpy as jnp
+    >>> import numpyro, numpyro.distributions as dist
+    >>> from d3pext.handlers import make_release
+    >>> def model(counts=None):
+    ...     rate = numpyro.sample("rate", dist.Gamma(1.0, 0.1))
+    ...     with numpyro.plate("cells", 4):
+    ...         numpyro.sample("y", dist.Poisson(rate), obs=counts)
+    >>> private = privatize_counts(model, site="y", mechanism=limited_precision_mechanism(1.0, N=2))
+    >>> make_release(private, jnp.array([3, 0, 7, 1]), rng_key=0)["y_dp"].shape
+    (4,)
+    """
+
+    def __init__(self, fn: Callable | None = None, *, site: str, mechanism: Any, name: str | None = None):
+        if getattr(mechanism, "kind", None) != "geometric" or not hasattr(mechanism, "log_alpha"):
+            raise ValueError(
+                "privatize_counts needs a geometric mechanism (GeometricMechanism, "
+                f"HeterogeneousGeometricMechanism), got {mechanism!r}."
+            )
+        n = mechanism.sensitivity
+        if n is None or not (n >= 1 and float(n) == int(n)):
+            raise ValueError(
+                f"the mechanism's sensitivity is N, the L1 neighbourhood of an observation: a "
+                f"positive integer, got {n!r}."
+            )
+        super().__init__(fn, site=site, mechanism=mechanism, statistic="records", name=name)
+
+    def _statistic(self, msg: dict):
+        value = msg["value"]
+        if msg["is_observed"] and not isinstance(value, jax.core.Tracer):
+            check_counts(value, f"The confidential counts at site {self.site!r}")
+        la = np.shape(self.mechanism.log_alpha)
+        try:
+            if np.broadcast_shapes(la, jnp.shape(value)) != jnp.shape(value):
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"The mechanism's alpha has shape {la}, which does not broadcast to the counts of "
+                f"site {self.site!r} with shape {jnp.shape(value)}."
+            ) from None
+        return value, None, int(np.prod(jnp.shape(value))), ()
+
+
+# ---------------------------------------------------------------------------------------------
+# The augmentation (eqs. 13-16)
+# ---------------------------------------------------------------------------------------------
+
+
+def _float() -> Any:
+    return jnp.result_type(float)
+
+
+def sample_true_counts(
+    rng_key: Array, release: ArrayLike, rate: ArrayLike, noise_rates: ArrayLike, log_alpha: ArrayLike
+) -> tuple[Array, Array, Array]:
+    """One draw of the confidential counts and the noise rates given the privatized counts
+    (seed 002, eqs. 13-16), element-wise.
+
+    :param release: privatized counts ``y~`` (integers, possibly negative).
+    :param rate: Poisson rates ``mu >= 0`` of the counts.
+    :param noise_rates: current ``(lambda+, lambda-)``, shape ``release.shape + (2,)``.
+    :param log_alpha: ``log(alpha)``, broadcastable to ``release``.
+    :return: ``(counts, noise_rates, ok)``; ``ok`` is ``False`` where the Bessel sampler ran out
+        of proposals (then the counts are ``-1``; the kernel keeps its previous state there).
+
+    >>> import jax, jax.numpy as jnp
+    >>> y, lam, ok = sample_true_counts(jax.random.PRNGKey(0), jnp.array([-2, 0, 5]),
+    ...                                 jnp.array([1.0, 3.0, 4.0]), jnp.ones((3, 2)), jnp.log(0.5))
+    >>> y.shape, lam.shape, bool(ok.all())
+    ((3,), (3, 2), True)
+    """
+    dtype = _float()
+    y_t = jnp.asarray(release).astype(dtype)
+    shape = jnp.shape(y_t)
+    mu = jnp.broadcast_to(jnp.asarray(rate, dtype), shape)
+    lam = jnp.asarray(noise_rates, dtype)
+    alpha = jnp.broadcast_to(jnp.exp(jnp.asarray(log_alpha, dtype)), shape)
+    key_m, key_y, key_l = random.split(rng_key, 3)
+    tiny = jnp.finfo(dtype).tiny
+    # eq. 13: y~ ~ Skel(lambda+ + mu, lambda-), m = min(y+, g-) ~ Bessel(|y~|, 2 sqrt(...))
+    a = jnp.maximum(2 * jnp.sqrt((lam[..., 0] + mu) * lam[..., 1]), tiny)
+    m, ok = sample_bessel(key_m, jnp.abs(y_t), a, shape)
+    m = m.astype(dtype)
+    # eq. 14: the larger of the two counts is the minimum plus |y~|
+    y_plus = jnp.where(y_t <= 0, m, m + y_t)
+    g_minus = jnp.where(y_t <= 0, m - y_t, m)
+    # eq. 15: y+ = y + g+ is a sum of Poissons with rates mu and lambda+
+    p = jnp.where(mu > 0, mu / jnp.maximum(mu + lam[..., 0], tiny), 0.0)
+    y = random.binomial(key_y, jnp.maximum(y_plus, 0.0), p, shape, dtype)
+    g_plus = y_plus - y
+    # eq. 16: Gamma(1 + g, rate (1 - alpha)/alpha + 1 = 1/alpha)
+    g = jnp.stack([g_plus, g_minus], axis=-1)
+    new_lam = random.gamma(key_l, 1.0 + jnp.maximum(g, 0.0), dtype=dtype) * alpha[..., None]
+    new_lam = jnp.maximum(new_lam, tiny)
+    int_dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+    counts = jnp.where(ok, y, -1.0).astype(int_dtype)
+    return counts, new_lam, ok
+
+
+# ---------------------------------------------------------------------------------------------
+# Model updates, blocks and the kernel
+# ---------------------------------------------------------------------------------------------
+
+
+class CountUpdates(abc.ABC):
+    """Non-private Gibbs updates of a count model, declared on its count site as
+    ``infer={"count_updates": updates}``; :class:`CountGibbs` runs them after each draw of the
+    counts. Implementations are hashable (frozen dataclasses) and pure JAX.
+    """
+
+    #: latent sites that the updates own (all latent sites of the model but the counts)
+    sites: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def __call__(self, rng_key: Array, values: Mapping[str, Array], counts: Array) -> dict[str, Array]:
+        """One sweep: new values of :attr:`sites` given their current ``values`` and the counts."""
+
+
+@dataclass(frozen=True, eq=False)
+class CountBlock:
+    """One privatized count site for :class:`CountGibbs`.
+
+    :param source: the confidential count site (latent in the analyst's model).
+    :param release: the observed release site.
+    :param noise_rates: latent site of ``(lambda+, lambda-)`` (``None`` in naive mode).
+    :param log_alpha: ``log(alpha)`` of the mechanism, broadcastable to the counts.
+    :param naive: take the release, truncated at zero, as the exact counts.
+    :param updates: the model's :class:`CountUpdates`, or ``None`` (NUTS updates the rest).
+    """
+
+    source: str
+    release: str
+    noise_rates: str | None
+    log_alpha: Any
+    naive: bool = False
+    updates: CountUpdates | None = None
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        own = (self.source,) if self.naive else (self.source, self.noise_rates)
+        return own + (tuple(self.updates.sites) if self.updates is not None else ())
+
+
+class CountGibbsState(NamedTuple):
+    """
+    - **z** - current values of the sites owned by the kernel.
+    - **rng_key** - random key for the next sweep.
+    - **num_failures** - counts kept at their previous value in the last sweep because the Bessel
+      sampler ran out of proposals (probability below 1e-25 per count; should stay 0).
+    """
+
+    z: dict[str, Array]
+    rng_key: Array
+    num_failures: Array
+
+
+def _poisson(fn: dist.Distribution) -> dist.Poisson:
+    while isinstance(fn, (MaskedDistribution, ExpandedDistribution, Independent)):
+        fn = fn.base_dist
+    if not isinstance(fn, dist.Poisson):
+        raise NotApplicable(f"the counts are {type(fn).__name__}, not Poisson.")
+    return fn
+
+
+class CountGibbs(MCMCKernel):
+    """Gibbs kernel for Poisson counts released through the geometric mechanism (seed 002).
+
+    One sweep: for each :class:`CountBlock`, the counts and the noise rates given the Poisson
+    rates and the release (:func:`sample_true_counts`; naive blocks: the truncated release), then
+    the block's :class:`CountUpdates` given the counts. Works on the augmented model of
+    :class:`augment_counts`; standalone it must own every latent site, as a block of
+    :class:`numpyro.infer.Gibbs` (next to NUTS) it reads the other sites from the conditioning.
+    Built by ``private_posterior(..., method="gibbs" | "naive")``.
+
+    **Example**
+
+    >>> import jax.numpy as jnp
+    >>> from jax import random
+    >>> import numpyro, numpyro.distributions as dist
+    >>> from d3pext.handlers import private_posterior
+    >>> def model(n):
+    ...     rate = numpyro.sample("rate", dist.Gamma(2.0, 0.2))
+    ...     with numpyro.plate("cells", n):
+    ...         numpyro.sample("y", dist.Poisson(rate))
+    >>> private = privatize_counts(model, site="y", mechanism=limited_precision_mechanism(1.0))
+    >>> mcmc = private_posterior(private, {"y_dp": jnp.array([9, 12, -1, 8, 15])},
+    ...                          num_warmup=200, num_samples=300, progress_bar=False)
+    >>> mcmc.run(random.key(0), 5)
+    >>> sorted(mcmc.get_samples())
+    ['rate', 'y', 'y_dp_noise_rates']
+    """
+
+    sample_field = "z"
+
+    def __init__(self, model: Callable, blocks: Sequence[CountBlock]) -> None:
+        if not blocks:
+            raise ValueError("CountGibbs needs at least one CountBlock.")
+        self._model = model
+        self._blocks = tuple(blocks)
+        self._standalone = True
+
+    @property
+    def model(self) -> Callable:
+        return self._model
+
+    @property
+    def blocks(self) -> tuple[CountBlock, ...]:
+        return self._blocks
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        """Latent sites updated by one sweep."""
+        return tuple(name for blk in self._blocks for name in blk.sites)
+
+    @property
+    def default_fields(self) -> tuple[str, ...]:
+        return ("z",)
+
+    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        model_kwargs = {} if model_kwargs is None else dict(model_kwargs)
+        rng_key, key_trace = random.split(rng_key)
+        tr = trace(
+            substitute(seed(conditioned(self._model), key_trace), substitute_fn=init_to_uniform)
+        ).get_trace(*model_args, **model_kwargs)
+        latent = [n for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]]
+        unknown = [n for n in self.sites if n not in latent]
+        if unknown:
+            raise ValueError(f"Sites {unknown} are not latent sites of the augmented model.")
+        if self._standalone:
+            left = [n for n in latent if n not in self.sites]
+            if left:
+                raise ValueError(
+                    f"CountGibbs cannot update the latent sites {left} (the model declares no "
+                    "count_updates for them); use it as a block of numpyro.infer.Gibbs with NUTS."
+                )
+        z = {name: jnp.asarray(tr[name]["value"]) for name in self.sites}
+        if init_params:  # only the model's parameters: the counts start from the release
+            own = {n for blk in self._blocks for n in (blk.source, blk.noise_rates)}
+            z.update({k: jnp.asarray(v) for k, v in init_params.items() if k in z and k not in own})
+        for blk in self._blocks:
+            y_t = jnp.asarray(tr[blk.release]["value"])
+            z[blk.source] = jnp.maximum(y_t, 0).astype(z[blk.source].dtype)
+            if not blk.naive:
+                alpha = jnp.exp(jnp.asarray(blk.log_alpha, _float()))
+                mean = jnp.broadcast_to(alpha / (1 - alpha), jnp.shape(y_t))
+                z[blk.noise_rates] = jnp.stack([mean, mean], axis=-1)
+        return CountGibbsState(z, rng_key, jnp.zeros((), jnp.int32))
+
+    def sample(self, state, model_args, model_kwargs):
+        model_kwargs = {} if model_kwargs is None else model_kwargs
+        rng_key, key_trace, key_sweep = random.split(state.rng_key, 3)
+        z = dict(state.z)
+        tr = trace(substitute(seed(conditioned(self._model), key_trace), data=z)).get_trace(
+            *model_args, **model_kwargs
+        )
+        failures = jnp.zeros((), jnp.int32)
+        keys = random.split(key_sweep, 2 * len(self._blocks))
+        for i, blk in enumerate(self._blocks):
+            y_t = jnp.asarray(tr[blk.release]["value"])
+            if blk.naive:
+                counts = jnp.maximum(y_t, 0).astype(z[blk.source].dtype)
+            else:
+                mu = jnp.broadcast_to(_poisson(tr[blk.source]["fn"]).rate, jnp.shape(y_t))
+                counts, lam, ok = sample_true_counts(
+                    keys[2 * i], y_t, mu, z[blk.noise_rates], blk.log_alpha
+                )
+                counts = jnp.where(ok, counts, z[blk.source]).astype(z[blk.source].dtype)
+                z[blk.noise_rates] = jnp.where(ok[..., None], lam, z[blk.noise_rates])
+                failures = failures + jnp.sum(~ok).astype(jnp.int32)
+            z[blk.source] = counts
+            if blk.updates is not None:
+                values = {name: z[name] for name in blk.updates.sites}
+                new = blk.updates(keys[2 * i + 1], values, counts)
+                z.update({name: new[name].astype(z[name].dtype) for name in blk.updates.sites})
+        return CountGibbsState(z, rng_key, failures)
+
+    def refresh(self, state, model_args, model_kwargs):
+        """Identity: nothing is cached between sweeps."""
+        return state
+
+    def wrap_model(self, wrapper) -> "CountGibbs":
+        kernel = copy.copy(self)
+        kernel._model = wrapper(self._model)
+        kernel._standalone = False
+        return kernel
+
+    def get_constrain_fn(self, model_args, model_kwargs):
+        """Identity: the kernel works with constrained values."""
+        return identity
+
+    def postprocess_fn(self, model_args, model_kwargs):
+        return identity
+
+    def get_diagnostics_str(self, state) -> str:
+        return f"{int(state.num_failures)} Bessel failures" if state.num_failures.ndim == 0 else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The augmented model and the backends
+# ---------------------------------------------------------------------------------------------
+
+
+def noise_rate_site(release: str) -> str:
+    """Name of the latent noise-rate site ``(lambda+, lambda-)`` of a release."""
+    return f"{release}_noise_rates"
+
+
+class augment_counts(Messenger):
+    """The analyst's model for :class:`CountGibbs`: the confidential counts stay latent (their
+    Poisson factor is what NUTS sees for the other parameters), each release is masked (given
+    the counts it carries no information on the parameters) and, unless ``naive``, is followed
+    by the latent noise rates ``f"{release}_noise_rates"`` with their exponential prior of
+    mean ``alpha / (1 - alpha)`` (Theorem 2), shape ``counts.shape + (2,)``.
+    """
+
+    def __init__(self, fn: Callable, releases: Mapping[str, ReleaseInfo], naive: bool = False) -> None:
+        self.releases = dict(releases)
+        self.naive = naive
+        super().__init__(fn)
+
+    def process_message(self, msg: dict) -> None:
+        if msg["type"] != "sample" or msg["name"] not in self.releases:
+            return
+        info = self.releases[msg["name"]]
+        fn = msg["fn"]
+        msg["fn"] = fn.mask(False)
+        if not self.naive:
+            alpha = jnp.exp(jnp.asarray(info.mechanism.log_alpha, _float()))
+            rate = jnp.broadcast_to((1 - alpha) / alpha, fn.batch_shape)
+            numpyro.sample(
+                noise_rate_site(msg["name"]),
+                dist.Exponential(jnp.stack([rate, rate], -1)).to_event(1),
+            )
+
+
+def _count_blocks(pm: PrivateModel, naive: bool) -> list[CountBlock]:
+    blocks = []
+    for name, info in pm.releases.items():
+        if info.statistic != "records":
+            raise NotApplicable(
+                f"release {name!r}: the count augmentation needs one release per count "
+                f"(statistic='records', e.g. privatize_counts), not {info.statistic!r}."
+            )
+        mech = info.mechanism
+        if getattr(mech, "kind", None) != "geometric" or not hasattr(mech, "log_alpha"):
+            raise NotApplicable(f"release {name!r}: the count augmentation needs geometric noise.")
+        site = pm.trace[info.source]
+        shape = jnp.shape(site["value"])
+        _poisson(site["fn"])
+        value = pm.trace[name]["value"]
+        if not isinstance(value, jax.core.Tracer):
+            check_counts(value, f"The release {name!r}", nonnegative=False)
+        if jnp.shape(value) != shape:
+            raise ValueError(
+                f"The release {name!r} has shape {jnp.shape(value)}, but the counts of "
+                f"{info.source!r} have shape {shape}."
+            )
+        log_alpha = np.asarray(mech.log_alpha, np.float64)
+        try:
+            np.broadcast_to(log_alpha, shape)
+        except ValueError:
+            raise ValueError(
+                f"release {name!r}: alpha of shape {log_alpha.shape} does not broadcast to the "
+                f"counts of shape {shape}."
+            ) from None
+        updates = (site.get("infer") or {}).get("count_updates")
+        if updates is not None and not isinstance(updates, CountUpdates):
+            raise TypeError(f"infer['count_updates'] of {info.source!r} must be a CountUpdates.")
+        blocks.append(
+            CountBlock(
+                source=info.source,
+                release=name,
+                noise_rates=None if naive else noise_rate_site(name),
+                log_alpha=log_alpha,
+                naive=naive,
+                updates=updates,
+            )
+        )
+    return blocks
+
+
+def _count_kernel(pm: PrivateModel, options: dict, naive: bool) -> MCMCKernel:
+    blocks = _count_blocks(pm, naive)
+    aug = augment_counts(pm.model, pm.releases, naive=naive)
+    kernel = CountGibbs(aug, blocks)
+    owned = set(kernel.sites)
+    rest = [name for name in pm.latent if name not in owned]
+    if not rest:
+        return kernel
+    nuts = NUTS(aug, **options.get("nuts_kwargs", {}))
+    return Gibbs([(kernel, list(kernel.sites)), (nuts, None)])
+
+
+@register_backend("gibbs", "schein-bessel")
+def _schein_bessel(pm: PrivateModel, options: dict) -> MCMCKernel:
+    return _count_kernel(pm, options, naive=False)
+
+
+@register_backend("naive", "truncated-counts")
+def _truncated_counts(pm: PrivateModel, options: dict) -> MCMCKernel:
+    return _count_kernel(pm, options, naive=True)

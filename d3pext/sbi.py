@@ -1,0 +1,669 @@
+"""Simulation-based inference from private releases: SPPE and SPLE (Xiong, Ju & Zhang, seed 000).
+
+The simulator is the privatized NumPyro model itself: run forward (vmapped over simulations) it
+draws the parameters from their prior (or from the current proposal, by substitution), the
+confidential data, and the released statistic *before* noise (``infer["statistic"]`` of each
+release site). The mechanism is then integrated out of the loss by randomized quasi-Monte Carlo
+(:mod:`d3pext.rqmc`, eq. 11): ``M`` releases per simulated data set, from a scrambled Sobol set
+mapped through the mechanism's inverse CDF.
+
+- **SPPE** (Algorithm 1): a conditional flow ``q(theta | s_dp)``; round 1 (prior proposal) by
+  maximum likelihood (eq. 7), later rounds by the atomic APT loss of Greenberg et al. (2019)
+  (eq. 8): for each pair the contrasting parameters are ``num_atoms - 1`` others of the batch, and
+  ``log q~(theta_i | s) = log q(theta_i | s) / p(theta_i) - log sum_k q(theta_k | s) / p(theta_k)``
+  (the proposal densities cancel for an atomic proposal). Proposal for the next round:
+  ``q(theta | s_obs)``.
+- **SPLE** (Algorithm 2): a conditional flow ``q(s_dp | theta)`` trained by maximum likelihood
+  (eq. 5) on all rounds; proposal and posterior ``p(theta) q(s_obs | theta)`` sampled by NUTS.
+
+Parameters are handled in NumPyro's unconstrained space (``biject_to`` of each prior's support)
+and standardized with the first round's statistics, as are the noisy releases (SPLE must be
+standardized with the statistics of the noisy releases, not of the clean ones).
+
+Use it through the front door::
+
+    post = private_posterior(model, {"x_dp": s_obs}, method="sppe", rounds=10,
+                             simulations_per_round=1000)
+    post.run(rng_key, *model_args)
+    draws = post.sample(rng_key, 1000)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+import time
+from typing import Any
+import warnings
+
+import numpy as np
+
+import jax
+from jax import lax, random
+from jax.flatten_util import ravel_pytree
+import jax.numpy as jnp
+from jax.scipy.special import logsumexp
+
+from numpyro.distributions import biject_to
+from numpyro.handlers import condition, seed, substitute, trace
+
+from d3pext import rqmc
+from d3pext.flows import FlowTrainer, conditional_spline_flow, require_flowjax
+from d3pext.handlers.posterior import _conditioned_releases, register_fitter
+from d3pext.handlers.privatize import ReleaseInfo, release_sites
+
+__all__ = ["SPLE", "SPPE", "SequentialEstimator", "Simulator"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The privatized model as a simulator.
+
+
+class Simulator:
+    """A privatized model run forward: parameters, confidential statistic, releases.
+
+    :param model: a privatized model (possibly conditioned on its releases).
+    :param data: ``{release site: observed value}``.
+    :param parameters: the latent sites to infer (default: every latent sample site that is
+        neither a confidential source of a release nor a release).
+
+    >>> import jax.numpy as jnp
+    >>> from jax import random
+    >>> from d3pext.models.linear_regression import PAPER_S_DP, private_linear_regression
+    >>> sim = Simulator(private_linear_regression(100, 10.0), {"records_dp": jnp.array(PAPER_S_DP)},
+    ...                 (100,))
+    >>> z, stat = sim.simulate(random.key(0), 5)
+    >>> z.shape, stat.shape, sim.parameters
+    ((5, 3), (5, 9), ('beta',))
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        data: Mapping[str, Any] | None,
+        model_args: tuple = (),
+        model_kwargs: dict | None = None,
+        parameters: tuple[str, ...] | None = None,
+    ) -> None:
+        self.model_args = tuple(model_args)
+        self.model_kwargs = dict(model_kwargs or {})
+        given = {**_conditioned_releases(model), **dict(data or {})}
+        self.model = condition(model, data=dict(data)) if data else model
+        box = {}
+
+        def run(key):
+            tr = trace(seed(substitute(self.model, substitute_fn=_statistic_of), key)).get_trace(
+                *self.model_args, **self.model_kwargs
+            )
+            box["trace"] = tr
+            return {n: s["value"] for n, s in tr.items() if s["type"] == "sample"}
+
+        try:
+            values = jax.device_get(jax.jit(run)(random.key(0)))
+        except NotImplementedError as e:
+            raise ValueError(
+                "The model cannot be simulated forward (a sample site has no sampler): "
+                f"SPPE/SPLE need a generative model. ({e})"
+            ) from e
+        tr = box["trace"]
+        releases = release_sites(tr)
+        if not releases:
+            raise ValueError("The model has no release sites: wrap it with privatize(...).")
+        unknown = sorted(set(given) - set(releases))
+        if unknown:
+            raise ValueError(
+                f"Conditioning on {unknown}, which are not release sites of the model; its "
+                f"release sites are {sorted(releases)}."
+            )
+        missing = sorted(set(releases) - set(given))
+        if missing:
+            raise ValueError(
+                f"No observed value for the release sites {missing}: pass data={{{missing[0]!r}: value}}."
+            )
+        self.releases: dict[str, ReleaseInfo] = releases
+        sources = {info.source for info in releases.values()}
+        if parameters is None:
+            parameters = tuple(
+                n for n, s in tr.items()
+                if s["type"] == "sample" and not s["is_observed"] and n not in sources
+                and n not in releases
+            )
+        parameters = tuple(parameters)
+        if not parameters:
+            raise ValueError("The model has no latent parameters to infer.")
+        for name in parameters:
+            if name not in tr or tr[name]["type"] != "sample" or name in releases or name in sources:
+                raise ValueError(f"{name!r} is not a latent parameter site of the model.")
+        self.parameters = parameters
+        self.sources = sources
+        self.transforms = {n: biject_to(tr[n]["fn"].support) for n in parameters}
+        unconstrained = {n: self.transforms[n].inv(jnp.asarray(values[n])) for n in parameters}
+        flat, self._unravel = ravel_pytree(unconstrained)
+        self.dim = int(flat.shape[0])
+        self._source_values = {n: jnp.asarray(values[n]) for n in sources}
+        # observed releases, flattened in release order
+        obs, self._release_slices, offset = [], {}, 0
+        for name, info in releases.items():
+            expected = np.shape(values[name])
+            value = jnp.asarray(given[name], dtype=jnp.result_type(float))
+            if value.shape != expected:
+                raise ValueError(
+                    f"The observed release {name!r} has shape {value.shape}; the model releases "
+                    f"shape {expected}."
+                )
+            size = int(np.prod(expected, dtype=int))
+            self._release_slices[name] = (offset, size, expected)
+            obs.append(value.reshape(-1))
+            offset += size
+        self.observed = jnp.concatenate(obs)
+        self.release_dim = offset
+        self._simulate_prior = jax.jit(jax.vmap(lambda k: self._simulate_one(k, None)))
+        self._simulate_given = jax.jit(jax.vmap(self._simulate_one))
+        self._noisy = {}
+
+    # -- parameter spaces
+    def constrain(self, z: jax.Array) -> dict:
+        """Constrained parameter values of the unconstrained flat vector ``z`` (one draw)."""
+        u = self._unravel(z)
+        return {n: self.transforms[n](u[n]) for n in self.parameters}
+
+    def unconstrain(self, params: Mapping[str, Any]) -> jax.Array:
+        """The flat unconstrained vector of one draw of ``params``."""
+        u = {n: self.transforms[n].inv(jnp.asarray(params[n])) for n in self.parameters}
+        return ravel_pytree(u)[0]
+
+    def log_abs_det_jacobian(self, z: jax.Array) -> jax.Array:
+        """``log |d constrain / dz|`` at ``z`` (one draw)."""
+        u = self._unravel(z)
+        total = jnp.zeros(())
+        for n in self.parameters:
+            t = self.transforms[n]
+            x = t(u[n])
+            ladj = t.log_abs_det_jacobian(u[n], x)
+            total = total + jnp.sum(ladj)
+        return total
+
+    def log_prior(self, z: jax.Array) -> jax.Array:
+        """Prior log density of the unconstrained ``z`` (one draw), Jacobian included."""
+        values = {**self.constrain(z), **self._source_values}
+
+        def fn(msg):
+            if msg["name"] in values:
+                return values[msg["name"]]
+            return _statistic_of(msg)
+
+        tr = trace(seed(substitute(self.model, substitute_fn=fn), random.key(0))).get_trace(
+            *self.model_args, **self.model_kwargs
+        )
+        lp = sum(jnp.sum(tr[n]["fn"].log_prob(tr[n]["value"])) for n in self.parameters)
+        return lp + self.log_abs_det_jacobian(z)
+
+    # -- simulation
+    def _simulate_one(self, key, z):
+        values = {} if z is None else self.constrain(z)
+
+        def fn(msg):
+            if msg["name"] in values:
+                return values[msg["name"]]
+            return _statistic_of(msg)
+
+        tr = trace(seed(substitute(self.model, substitute_fn=fn), key)).get_trace(
+            *self.model_args, **self.model_kwargs
+        )
+        u = {n: self.transforms[n].inv(tr[n]["value"]) for n in self.parameters}
+        stat = jnp.concatenate(
+            [jnp.reshape(tr[n]["infer"]["statistic"], -1).astype(jnp.result_type(float))
+             for n in self.releases]
+        )
+        return ravel_pytree(u)[0], stat
+
+    def simulate(self, rng_key: jax.Array, num: int, z: jax.Array | None = None):
+        """``num`` forward runs: unconstrained parameters ``(num, dim)`` (drawn from the prior,
+        or the given ``z``) and confidential statistics ``(num, release_dim)``."""
+        keys = random.split(rng_key, num)
+        if z is None:
+            return self._simulate_prior(keys)
+        return self._simulate_given(keys, jnp.asarray(z))
+
+    def release_points(
+        self, rng_key: jax.Array, stat: jax.Array, num_points: int, method: str = "rqmc"
+    ) -> jax.Array:
+        """``num_points`` releases of each statistic: ``(num, num_points, release_dim)``."""
+        key = (num_points, method, stat.shape)
+        if key not in self._noisy:
+            def noisy(k, stat):
+                parts = []
+                for i, (name, info) in enumerate(self.releases.items()):
+                    offset, size, _ = self._release_slices[name]
+                    parts.append(
+                        rqmc.release_points(
+                            info.mechanism, random.fold_in(k, i), stat[:, offset : offset + size],
+                            num_points, method,
+                        ).astype(stat.dtype)
+                    )
+                return jnp.concatenate(parts, -1)
+
+            self._noisy[key] = jax.jit(noisy)
+        return self._noisy[key](rng_key, stat)
+
+
+def _statistic_of(msg: dict):
+    """Substitute a release site by its statistic (no noise is drawn while simulating)."""
+    infer = msg.get("infer") or {}
+    return infer.get("statistic") if "privatize" in infer else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The sequential estimators.
+
+
+@dataclass(frozen=True)
+class _Scaler:
+    theta_mean: jax.Array
+    theta_std: jax.Array
+    s_mean: jax.Array
+    s_std: jax.Array
+
+
+def _std(x, axis):
+    s = jnp.std(x, axis)
+    return jnp.where(s > 0, s, 1.0)
+
+
+def _check_int(name, value, low=1):
+    if isinstance(value, bool) or int(value) != value or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+    return int(value)
+
+
+class SequentialEstimator:
+    """Common machinery of :class:`SPPE` and :class:`SPLE` (not used directly).
+
+    :param model: a privatized model; :param data: ``{release site: observed value}``.
+    :param int rounds: ``R``; :param int simulations_per_round: ``N``.
+    :param int num_points: ``M`` releases per simulated data set (a power of two for RQMC).
+    :param str integration: ``"rqmc"`` (default) or ``"mc"``.
+    :param float validation_fraction: share of each round's simulations held out (5%).
+    :param dict flow_kwargs: arguments of :func:`~d3pext.flows.conditional_spline_flow`.
+    :param learning_rate, weight_decay, batch_size, patience, max_epochs: training (paper S3).
+    :param parameters: latent sites to infer (default: all but the confidential data).
+    :param bool progress_bar: bars over rounds and epochs.
+    """
+
+    method = ""
+
+    def __init__(
+        self,
+        model: Callable,
+        data: Mapping[str, Any] | None = None,
+        *,
+        rounds: int = 10,
+        simulations_per_round: int = 1000,
+        num_points: int = 32,
+        integration: str = "rqmc",
+        validation_fraction: float = 0.05,
+        flow_kwargs: dict | None = None,
+        learning_rate: float = 5e-4,
+        weight_decay: float = 1e-4,
+        batch_size: int = 100,
+        patience: int = 20,
+        max_epochs: int = 1000,
+        parameters: tuple[str, ...] | None = None,
+        progress_bar: bool = True,
+        num_warmup: int = 300,
+        num_samples: int = 1000,
+        num_chains: int = 4,
+        **unused: Any,
+    ) -> None:
+        unused.pop("chain_method", None)
+        unused.pop("sections", None)
+        unused.pop("nuts_kwargs", None)
+        if unused:
+            raise TypeError(f"{self.method}: unexpected arguments {sorted(unused)}.")
+        require_flowjax()
+        self.model, self.data = model, dict(data or {})
+        self.rounds = _check_int("rounds", rounds)
+        self.simulations_per_round = _check_int("simulations_per_round", simulations_per_round)
+        self.num_points = _check_int("num_points", num_points)
+        if integration not in ("rqmc", "mc"):
+            raise ValueError(f"integration must be 'rqmc' or 'mc', got {integration!r}.")
+        self.integration = integration
+        if not 0 < validation_fraction < 1:
+            raise ValueError(f"validation_fraction must lie in (0, 1), got {validation_fraction}.")
+        self.num_valid = max(1, int(round(validation_fraction * self.simulations_per_round)))
+        self.num_train = self.simulations_per_round - self.num_valid
+        self.batch_size = _check_int("batch_size", batch_size)
+        if self.num_train < self.batch_size:
+            raise ValueError(
+                f"simulations_per_round={self.simulations_per_round} leaves {self.num_train} "
+                f"training examples per round, fewer than batch_size={self.batch_size}."
+            )
+        self.flow_kwargs = dict(flow_kwargs or {})
+        self.train_kwargs = dict(learning_rate=learning_rate, weight_decay=weight_decay,
+                                 batch_size=self.batch_size, patience=patience, max_epochs=max_epochs)
+        self.parameters = parameters
+        self.progress_bar = progress_bar
+        self.num_warmup = _check_int("num_warmup", num_warmup, 0)
+        self.num_samples = _check_int("num_samples", num_samples)
+        self.num_chains = _check_int("num_chains", num_chains)
+        self.diagnostics: list[dict] = []
+        self.simulator: Simulator | None = None
+        self.flow = None
+        self.scaler: _Scaler | None = None
+
+    # subclasses: _make_flow, _losses, _propose, _round_summary
+    def run(self, rng_key: jax.Array, *model_args: Any, **model_kwargs: Any) -> "SequentialEstimator":
+        """Run the ``R`` rounds of simulation and training; returns ``self``."""
+        self.simulator = sim = Simulator(self.model, self.data, model_args, model_kwargs, self.parameters)
+        if self.integration == "rqmc":
+            for info in sim.releases.values():
+                if not rqmc.has_inverse_cdf(info.mechanism):
+                    warnings.warn(
+                        f"release {info.name!r}: {type(info.mechanism).__name__} has no inverse "
+                        "CDF; integrating it by plain Monte Carlo.", stacklevel=2)
+        R, N, M = self.rounds, self.simulations_per_round, self.num_points
+        d, r = sim.dim, sim.release_dim
+        cap_t, cap_v = R * self.num_train, R * self.num_valid
+        fdt = np.dtype(jnp.result_type(float))
+        train = {"z": np.zeros((cap_t, d), fdt), "s": np.zeros((cap_t, M, r), fdt),
+                 "logp": np.zeros((cap_t,), fdt)}
+        valid = {k: np.zeros((cap_v, *v.shape[1:]), fdt) for k, v in train.items()}
+        log_prior = jax.jit(jax.vmap(sim.log_prior))
+        self._log_prior = log_prior
+        key_flow, rng_key = random.split(rng_key)
+        self.diagnostics = []
+        rounds = range(R)
+        if self.progress_bar:
+            from tqdm.auto import tqdm
+
+            rounds = tqdm(rounds, desc=f"{self.method} rounds")
+        for i in rounds:
+            key = random.fold_in(rng_key, i)
+            k_prop, k_sim, k_noise, k_split, k_train = random.split(key, 5)
+            t0 = time.perf_counter()
+            z = None if i == 0 else self._propose(k_prop, N)
+            t1 = time.perf_counter()
+            z, stat = sim.simulate(k_sim, N, z)
+            s = sim.release_points(k_noise, stat, M, self.integration)
+            s.block_until_ready()
+            t2 = time.perf_counter()
+            ok = np.asarray(jnp.all(jnp.isfinite(s), (1, 2)) & jnp.all(jnp.isfinite(z), 1))
+            if not ok.all():
+                raise ValueError(f"round {i + 1}: {int((~ok).sum())} simulations are not finite.")
+            if i == 0:
+                self.scaler = _Scaler(jnp.mean(z, 0), _std(z, 0), jnp.mean(s, (0, 1)), _std(s, (0, 1)))
+                self.flow = self._make_flow(key_flow, d, r)
+            sc = self.scaler
+            zs = np.asarray((z - sc.theta_mean) / sc.theta_std)
+            ss = np.asarray((s - sc.s_mean) / sc.s_std)
+            lp = np.asarray(log_prior(z))
+            perm = np.asarray(random.permutation(k_split, N))
+            vi, ti = perm[: self.num_valid], perm[self.num_valid :]
+            for buf, rows, start in ((train, ti, i * self.num_train), (valid, vi, i * self.num_valid)):
+                buf["z"][start : start + len(rows)] = zs[rows]
+                buf["s"][start : start + len(rows)] = ss[rows]
+                buf["logp"][start : start + len(rows)] = lp[rows]
+            trainer = self._trainer(i)
+            self.flow, report = trainer.fit(
+                self.flow, jax.tree.map(jnp.asarray, train), (i + 1) * self.num_train,
+                jax.tree.map(jnp.asarray, valid), (i + 1) * self.num_valid, k_train,
+                progress_bar=self.progress_bar, description=f"round {i + 1} epochs",
+            )
+            t3 = time.perf_counter()
+            self.diagnostics.append({
+                "round": i + 1, "simulations": (i + 1) * N, "propose_s": t1 - t0,
+                "simulate_s": t2 - t1, "train_s": t3 - t2, "epochs": report.epochs,
+                "best_valid_loss": report.best_valid_loss, "nonfinite_steps": report.nonfinite_steps,
+                "stopped_early": report.stopped_early,
+            })
+        self._finish(random.fold_in(rng_key, R))
+        return self
+
+    def _make_flow(self, key, d, r):
+        raise NotImplementedError
+
+    def _trainer(self, round_index: int) -> FlowTrainer:
+        raise NotImplementedError
+
+    def _propose(self, key, num):
+        raise NotImplementedError
+
+    def _finish(self, key):
+        pass
+
+    def _check_run(self):
+        if self.flow is None:
+            raise RuntimeError(f"{self.method}: call .run(rng_key, *model_args) first.")
+
+    def _constrain_batch(self, z: jax.Array) -> dict:
+        return jax.vmap(self.simulator.constrain)(z)
+
+    def _unconstrain_batch(self, params: Mapping[str, Any]) -> jax.Array:
+        return jax.vmap(self.simulator.unconstrain)(dict(params))
+
+    @property
+    def observed_standardized(self) -> jax.Array:
+        return (self.simulator.observed - self.scaler.s_mean) / self.scaler.s_std
+
+    def sample_unconstrained(self, rng_key: jax.Array, num_samples: int) -> jax.Array:
+        raise NotImplementedError
+
+    def sample(self, rng_key: jax.Array, num_samples: int) -> dict:
+        """Posterior draws, ``{site: (num_samples, ...)}`` in the model's (constrained) space."""
+        self._check_run()
+        return self._constrain_batch(self.sample_unconstrained(rng_key, _check_int("num_samples", num_samples)))
+
+    def get_samples(self) -> dict:
+        """``num_samples`` posterior draws (as ``MCMC.get_samples``), with a fixed key."""
+        return self.sample(random.key(0), self.num_samples)
+
+
+_TRAINERS: dict = {}
+
+
+def _shared_trainer(kind: tuple, train_kwargs: dict, make_loss: Callable) -> FlowTrainer:
+    """Trainers are shared between runs with the same loss and settings, so that a second run
+    with flows of the same shapes (e.g. a sweep over epsilon) does not compile again."""
+    key = (*kind, tuple(sorted(train_kwargs.items())))
+    if key not in _TRAINERS:
+        _TRAINERS[key] = FlowTrainer(make_loss(), **train_kwargs)
+    return _TRAINERS[key]
+
+
+def _flatten_atoms(theta, s):
+    """Pairs ``(theta (B, K, d), s (B, M, r))`` -> broadcast flat ``(B*M*K, d), (B*M*K, r)``."""
+    B, K, d = theta.shape
+    M, r = s.shape[1], s.shape[2]
+    th = jnp.broadcast_to(theta[:, None], (B, M, K, d)).reshape(-1, d)
+    ss = jnp.broadcast_to(s[:, :, None], (B, M, K, r)).reshape(-1, r)
+    return th, ss
+
+
+class SPPE(SequentialEstimator):
+    """Sequential private posterior estimation (seed 000, Algorithm 1).
+
+    Extra option: ``num_atoms`` (atoms of the APT loss, default 10, at most ``batch_size``).
+    After :meth:`run`: :meth:`sample`, :meth:`log_prob` (normalized posterior density),
+    :attr:`diagnostics` (one dict per round).
+
+    >>> import jax.numpy as jnp
+    >>> from jax import random
+    >>> from d3pext.handlers import private_posterior
+    >>> from d3pext.models.linear_regression import PAPER_S_DP, private_linear_regression
+    >>> post = private_posterior(private_linear_regression(100, 10.0, sensitivity=0.13),
+    ...                          {"records_dp": jnp.array(PAPER_S_DP)}, method="sppe", rounds=2,
+    ...                          simulations_per_round=300, num_points=4, max_epochs=10,
+    ...                          flow_kwargs=dict(layers=2, width=8), progress_bar=False)
+    >>> post = post.run(random.key(0), 100)  # doctest: +SKIP
+    >>> post.sample(random.key(1), 1000)["beta"].shape  # doctest: +SKIP
+    (1000, 3)
+    """
+
+    method = "sppe"
+
+    def __init__(self, model, data=None, *, num_atoms: int = 10, **kwargs):
+        super().__init__(model, data, **kwargs)
+        self.num_atoms = _check_int("num_atoms", num_atoms, 2)
+        if self.num_atoms > self.batch_size:
+            raise ValueError(f"num_atoms={num_atoms} exceeds batch_size={self.batch_size}.")
+
+    def _make_flow(self, key, d, r):
+        return conditional_spline_flow(key, d, r, **self.flow_kwargs)
+
+    def _trainer(self, i):
+        if i == 0:
+            return _shared_trainer(("sppe-mle",), self.train_kwargs, lambda: _sppe_mle_loss)
+        return _shared_trainer(("sppe-atomic", self.num_atoms), self.train_kwargs,
+                               lambda: _make_atomic_loss(self.num_atoms))
+
+    def _propose(self, key, num):
+        return self.sample_unconstrained(key, num)
+
+    def sample_unconstrained(self, rng_key, num_samples):
+        self._check_run()
+        zs = self.flow.sample(rng_key, (num_samples,), condition=self.observed_standardized)
+        return zs * self.scaler.theta_std + self.scaler.theta_mean
+
+    def log_prob(self, params: Mapping[str, Any]) -> jax.Array:
+        """Log posterior density of a batch of draws ``{site: (n, ...)}`` (constrained space)."""
+        self._check_run()
+        z = self._unconstrain_batch(params)
+        sc = self.scaler
+        zs = (z - sc.theta_mean) / sc.theta_std
+        cond = jnp.broadcast_to(self.observed_standardized, (z.shape[0], self.simulator.release_dim))
+        lq = self.flow.log_prob(zs, cond) - jnp.sum(jnp.log(sc.theta_std))
+        return lq - jax.vmap(self.simulator.log_abs_det_jacobian)(z)
+
+
+def _sppe_mle_loss(flow, batch, key):
+    z, s = batch["z"], batch["s"]
+    th, ss = _flatten_atoms(z[:, None], s)
+    return -flow.log_prob(th, ss).reshape(s.shape[0], s.shape[1]).mean(1)
+
+
+def _make_atomic_loss(num_atoms: int):
+    def loss(flow, batch, key):
+        z, s, logp = batch["z"], batch["s"], batch["logp"]
+        B = z.shape[0]
+        keys = random.split(key, B)
+        offsets = jax.vmap(lambda k: random.choice(k, B - 1, (num_atoms - 1,), replace=False))(keys)
+        idx = jnp.concatenate([jnp.arange(B)[:, None], (jnp.arange(B)[:, None] + 1 + offsets) % B], 1)
+        th, ss = _flatten_atoms(z[idx], s)
+        lq = flow.log_prob(th, ss).reshape(B, s.shape[1], num_atoms)
+        logits = lq - logp[idx][:, None, :]
+        return -(logits[..., 0] - logsumexp(logits, -1)).mean(1)
+
+    return loss
+
+
+class SPLE(SequentialEstimator):
+    """Sequential private likelihood estimation (seed 000, Algorithm 2).
+
+    After :meth:`run`: :meth:`log_likelihood` (the likelihood estimator ``q(s | theta)``),
+    :meth:`sample` (NUTS on ``p(theta) q(s_obs | theta)``, ``num_chains`` chains after
+    ``num_warmup`` steps), :meth:`log_prob` (the *unnormalized* log posterior),
+    :attr:`diagnostics`. Option ``max_tree_depth`` (NUTS, default 6).
+    """
+
+    method = "sple"
+
+    def __init__(self, model, data=None, *, max_tree_depth: int = 6, **kwargs):
+        super().__init__(model, data, **kwargs)
+        self.max_tree_depth = _check_int("max_tree_depth", max_tree_depth)
+        self._nuts = {}
+        self._last_draws = None
+
+    def _make_flow(self, key, d, r):
+        return conditional_spline_flow(key, r, d, **self.flow_kwargs)
+
+    def _trainer(self, i):
+        return _shared_trainer(("sple",), self.train_kwargs, lambda: _sple_loss)
+
+    def _log_target(self, flow, z):
+        sc = self.scaler
+        zs = (z - sc.theta_mean) / sc.theta_std
+        return self.simulator.log_prior(z) + flow.log_prob(self.observed_standardized, zs)
+
+    def _run_nuts(self, key, num_chains, per_chain, init, num_warmup):
+        import equinox as eqx
+        from numpyro.infer.hmc import hmc
+
+        shape = (num_chains, per_chain, num_warmup)
+        if shape not in self._nuts:
+            depth = self.max_tree_depth
+
+            @eqx.filter_jit
+            def run(flow, key, init):
+                potential = lambda z: -self._log_target(flow, z)  # noqa: E731
+                init_kernel, sample_kernel = hmc(potential_fn=potential, algo="NUTS")
+
+                def chain(k, z0):
+                    k_init, k_run = random.split(k)
+                    state = init_kernel(z0, num_warmup, max_tree_depth=depth, rng_key=k_init)
+
+                    def body(state, _):
+                        state = sample_kernel(state)
+                        return state, state.z
+
+                    _, zs = lax.scan(body, state, None, length=num_warmup + per_chain)
+                    return zs[num_warmup:]
+
+                return jax.vmap(chain)(random.split(key, num_chains), init)
+
+            self._nuts[shape] = run
+        return self._nuts[shape](self.flow, key, init)
+
+    def _init_points(self, key, num_chains):
+        # start the chains at prior draws with the highest target density
+        sim = self.simulator
+        z, _ = sim.simulate(key, max(200, 4 * num_chains))
+        target = jax.vmap(lambda v: self._log_target(self.flow, v))(z)
+        return z[jnp.argsort(-target)[:num_chains]]
+
+    def _draw(self, key, num, num_chains, num_warmup):
+        k_init, k_run = random.split(key)
+        per_chain = -(-num // num_chains)
+        init = self._init_points(k_init, num_chains)
+        draws = self._run_nuts(k_run, num_chains, per_chain, init, num_warmup)
+        # interleave chains so that a prefix mixes all of them
+        return jnp.swapaxes(draws, 0, 1).reshape(-1, self.simulator.dim)[:num]
+
+    def _propose(self, key, num):
+        return self._draw(key, num, 10, min(self.num_warmup, 200))
+
+    def sample_unconstrained(self, rng_key, num_samples):
+        self._check_run()
+        return self._draw(rng_key, num_samples, self.num_chains, self.num_warmup)
+
+    def log_likelihood(self, params: Mapping[str, Any], release: jax.Array | None = None) -> jax.Array:
+        """``log q(release | theta)`` for a batch of draws (release default: the observed one),
+        in the release's own scale."""
+        self._check_run()
+        z = self._unconstrain_batch(params)
+        sc = self.scaler
+        s = self.simulator.observed if release is None else jnp.asarray(release).reshape(-1, self.simulator.release_dim)
+        ss = jnp.broadcast_to((s - sc.s_mean) / sc.s_std, (z.shape[0], self.simulator.release_dim))
+        zs = (z - sc.theta_mean) / sc.theta_std
+        return self.flow.log_prob(ss, zs) - jnp.sum(jnp.log(sc.s_std))
+
+    def log_prob(self, params: Mapping[str, Any]) -> jax.Array:
+        """Unnormalized log posterior ``log p(theta) + log q(s_obs | theta)`` (constrained space)."""
+        z = self._unconstrain_batch(params)
+        lp = jax.vmap(self.simulator.log_prior)(z) - jax.vmap(self.simulator.log_abs_det_jacobian)(z)
+        return lp + self.log_likelihood(params)
+
+
+def _sple_loss(flow, batch, key):
+    z, s = batch["z"], batch["s"]
+    th, ss = _flatten_atoms(z[:, None], s)
+    return -flow.log_prob(ss, th).reshape(s.shape[0], s.shape[1]).mean(1)
+
+
+@register_fitter("sppe")
+def _sppe_fitter(model, data, **options) -> SPPE:
+    return SPPE(model, data, **options)
+
+
+@register_fitter("sple")
+def _sple_fitter(model, data, **options) -> SPLE:
+    return SPLE(model, data, **options)

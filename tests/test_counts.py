@@ -1,0 +1,330 @@
+"""Locally private counts (seed 002): the count augmentation against the exact conditional, a
+Geweke joint-distribution test of the factorization sampler, bad input, and the method against
+the naive baseline on synthetic data."""
+
+import jax
+import jax.numpy as jnp
+from jax import lax, random
+import numpy as np
+import pytest
+import scipy.stats as st
+
+import d3pext.counts  # noqa: F401  (registers the "schein-bessel" and "truncated-counts" backends)
+from d3pext.counts import (
+    CountGibbs,
+    CountGibbsState,
+    HeterogeneousGeometricMechanism,
+    limited_precision_mechanism,
+    privatize_counts,
+    sample_true_counts,
+)
+from d3pext.distributions import GeometricNoisedPoisson
+from d3pext.handlers import make_release, private_posterior, sample_releases
+from d3pext.handlers.posterior import RELEASES_KWARG, PrivatePosterior
+from d3pext.mechanisms import GeometricMechanism
+from d3pext.models.poisson_factorization import (
+    private_community_model,
+    private_topic_model,
+    simulate_topic_corpus,
+    topic_rates,
+)
+
+GOF_THRESHOLD = 1e-3
+
+
+def chi_square_pvalue(samples, ks, probs):
+    """Pearson chi-square of integer samples against ``probs`` on ``ks`` (cells merged so that
+    every expected count is at least 5)."""
+    samples = np.asarray(samples)
+    n = samples.size
+    probs = np.asarray(probs) / np.sum(probs)
+    bins, acc, edges = [], 0.0, []
+    for i, p in enumerate(probs):
+        acc += p
+        if acc * n >= 5:
+            edges.append(i)
+            acc = 0.0
+    edges[-1] = len(probs) - 1
+    bin_of = np.searchsorted(edges, np.arange(len(probs)))
+    expected = np.bincount(bin_of, weights=probs)
+    assert np.all((samples >= ks[0]) & (samples <= ks[-1]))
+    observed = np.bincount(bin_of[samples - ks[0]], minlength=expected.size)
+    return st.chisquare(observed, n * expected).pvalue
+
+
+# ---------------------------------------------------------------------------------------------
+# The single-count chain: y | y~, mu has stationary law Pois(y; mu) 2Geo(y~ - y; alpha)
+# ---------------------------------------------------------------------------------------------
+
+RELEASES = np.array([-3, 0, 2, 9, 1])
+RATES = np.array([3.0, 3.0, 0.4, 5.0, 12.0])
+ALPHAS = np.array([0.6, 0.3, 0.8, 0.6, 0.9])
+CHAINS, STEPS = 4000, 40
+
+
+@jax.jit
+def _count_chains(key):
+    shape = (CHAINS, RELEASES.size)
+    y_t = jnp.broadcast_to(jnp.asarray(RELEASES), shape)
+    la = jnp.log(jnp.asarray(ALPHAS, jnp.float32))
+    lam0 = jnp.broadcast_to((ALPHAS / (1 - ALPHAS))[:, None], (RELEASES.size, 2)).astype(jnp.float32)
+
+    def step(carry, key):
+        y, lam, fails = carry
+        y, lam, ok = sample_true_counts(key, y_t, jnp.asarray(RATES, jnp.float32), lam, la)
+        return (y, lam, fails + jnp.sum(~ok)), None
+
+    init = (jnp.maximum(y_t, 0), jnp.broadcast_to(lam0, (*shape, 2)), 0)
+    (y, _, fails), _ = lax.scan(step, init, random.split(key, STEPS))
+    return y, fails
+
+
+def exact_count_posterior(y_t, mu, alpha, ks):
+    log_p = st.poisson(mu).logpmf(ks) + np.abs(y_t - ks) * np.log(alpha)
+    p = np.exp(log_p - log_p.max())
+    return p / p.sum()
+
+
+def test_single_count_chain_stationary_distribution():
+    y, fails = _count_chains(random.PRNGKey(0))
+    assert int(fails) == 0
+    y = np.asarray(y)
+    ks = np.arange(0, 200)
+    for j in range(RELEASES.size):
+        exact = exact_count_posterior(RELEASES[j], RATES[j], ALPHAS[j], ks)
+        assert chi_square_pvalue(y[:, j], ks, exact) > GOF_THRESHOLD / RELEASES.size, j
+    # power: the draws for y~ = 9 are not those of y~ = 8 or of the rate 4
+    assert chi_square_pvalue(y[:, 3], ks, exact_count_posterior(8, 5.0, 0.6, ks)) < GOF_THRESHOLD
+    assert chi_square_pvalue(y[:, 3], ks, exact_count_posterior(9, 4.0, 0.6, ks)) < GOF_THRESHOLD
+
+
+# ---------------------------------------------------------------------------------------------
+# Geweke joint-distribution test of the factorization sampler
+# ---------------------------------------------------------------------------------------------
+
+D, V, K = 3, 4, 2
+HYPER = {"a0": 1.0, "b0": 1.0}
+GEWEKE_ALPHA = 0.5
+
+
+def _joint_draws(key, num):
+    """Marginal-conditional simulator: (theta, phi, y, lambda, y~) from the joint."""
+    k1, k2, k3, k4, k5 = random.split(key, 5)
+    theta = random.gamma(k1, HYPER["a0"], (num, D, K)) / HYPER["b0"]
+    phi = random.gamma(k2, HYPER["a0"], (num, K, V)) / HYPER["b0"]
+    y = random.poisson(k3, topic_rates(theta, phi))
+    lam = random.exponential(k4, (num, D, V, 2)) * GEWEKE_ALPHA / (1 - GEWEKE_ALPHA)
+    g = random.poisson(k5, lam)
+    return {"theta": theta, "phi": phi, "counts": y, "counts_dp_noise_rates": lam}, y + g[..., 0] - g[..., 1]
+
+
+def _geweke_kernel(log_alpha_in_kernel=None):
+    model = private_topic_model(alpha=GEWEKE_ALPHA)
+    release = {"counts_dp": jnp.zeros((D, V), jnp.int32)}
+    inner = PrivatePosterior(model, release, "gibbs").prepare((D, V, K), HYPER)
+    assert isinstance(inner, CountGibbs)
+    if log_alpha_in_kernel is not None:  # a deliberately wrong kernel, to check the test's power
+        (blk,) = inner.blocks
+        inner = CountGibbs(
+            inner.model, [type(blk)(blk.source, blk.release, blk.noise_rates, log_alpha_in_kernel, False, blk.updates)]
+        )
+    return inner
+
+
+def _successive_conditional(inner, key, num, steps):
+    """Geweke's successive-conditional simulator started from exact joint draws: each step is a
+    Gibbs sweep given y~, then y~ regenerated given the state. Both leave the joint invariant, so
+    every step's state is again a draw from the joint."""
+    key_joint, key_run = random.split(key)
+    z, y_t = _joint_draws(key_joint, num)
+
+    def chain(key, z, y_t):
+        def step(carry, key):
+            z, y_t = carry
+            key_sweep, key_noise = random.split(key)
+            kwargs = {**HYPER, RELEASES_KWARG: {"counts_dp": y_t}}
+            state = inner.sample(CountGibbsState(z, key_sweep, jnp.zeros((), jnp.int32)), (D, V, K), kwargs)
+            z = state.z
+            g = random.poisson(key_noise, z["counts_dp_noise_rates"])
+            return (z, z["counts"] + g[..., 0] - g[..., 1]), None
+
+        (z, y_t), _ = lax.scan(step, (z, y_t), random.split(key, steps))
+        return z, y_t
+
+    return jax.jit(jax.vmap(chain))(random.split(key_run, num), z, y_t)
+
+
+def _geweke_statistics(z, y_t):
+    theta, phi, y, lam = (np.asarray(z[k]) for k in ("theta", "phi", "counts", "counts_dp_noise_rates"))
+    return {
+        "sum theta": theta.sum((1, 2)),
+        "theta[0,0]": theta[:, 0, 0],
+        "sum phi": phi.sum((1, 2)),
+        "mu[0,0]": np.asarray(topic_rates(theta, phi))[:, 0, 0],
+        "sum y": y.sum((1, 2)),
+        "lambda+[0,0]": lam[:, 0, 0, 0],
+        "sum y~": np.asarray(y_t).sum((1, 2)),
+    }
+
+
+def _geweke_pvalues(inner, num, steps, seed):
+    z, y_t = _successive_conditional(inner, random.PRNGKey(seed), num, steps)
+    z_ref, y_ref = _joint_draws(random.PRNGKey(seed + 1), num)
+    a, b = _geweke_statistics(z, y_t), _geweke_statistics(z_ref, y_ref)
+    return {k: st.ks_2samp(a[k], b[k]).pvalue for k in a}
+
+
+def test_geweke_factorization_sampler():
+    pvalues = _geweke_pvalues(_geweke_kernel(), num=600, steps=6, seed=10)
+    assert min(pvalues.values()) > GOF_THRESHOLD / len(pvalues), pvalues
+
+
+@pytest.mark.slow
+def test_geweke_factorization_sampler_slow():
+    pvalues = _geweke_pvalues(_geweke_kernel(), num=6000, steps=60, seed=20)
+    assert min(pvalues.values()) > GOF_THRESHOLD / len(pvalues), pvalues
+    # power: a kernel that assumes the wrong noise level drifts away from the joint
+    wrong = _geweke_pvalues(_geweke_kernel(np.log(0.2)), num=6000, steps=60, seed=20)
+    assert min(wrong.values()) < GOF_THRESHOLD / len(wrong), wrong
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def _poisson_model(n, counts=None):
+    import numpyro
+    import numpyro.distributions as dist
+
+    rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5))
+    with numpyro.plate("cells", n):
+        numpyro.sample("y", dist.Poisson(rate), obs=counts)
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="alpha"):
+        GeometricMechanism.from_alpha(1.2)
+    with pytest.raises(ValueError, match="alpha"):
+        GeometricMechanism.from_alpha(0.0)
+    with pytest.raises(ValueError, match="alpha"):
+        HeterogeneousGeometricMechanism.from_alpha(np.array([0.5, 1.0]))
+    with pytest.raises(ValueError, match="alpha"):
+        private_topic_model(alpha=[0.3, -0.1])
+    with pytest.raises(ValueError, match="epsilon"):
+        limited_precision_mechanism(0.0, N=2)
+    with pytest.raises(ValueError, match="epsilon"):
+        limited_precision_mechanism(-1.0)
+    with pytest.raises(ValueError, match="N must"):
+        limited_precision_mechanism(1.0, N=0)
+    with pytest.raises(ValueError, match="N must"):
+        limited_precision_mechanism(1.0, N=1.5)
+    with pytest.raises(ValueError, match="positive integer"):
+        privatize_counts(_poisson_model, site="y", mechanism=GeometricMechanism(1.0, sensitivity=0.5))
+    with pytest.raises(ValueError, match="or alpha"):
+        private_topic_model()
+    private = privatize_counts(_poisson_model, site="y", mechanism=limited_precision_mechanism(1.0))
+    # non-integer confidential counts, and non-integer releases
+    with pytest.raises(ValueError, match="integers"):
+        make_release(private, 3, jnp.array([1.0, 2.5, 0.0]), rng_key=0)
+    with pytest.raises(ValueError, match="non-negative"):
+        make_release(private, 3, jnp.array([1, -2, 0]), rng_key=0)
+    with pytest.raises(ValueError, match="integers"):
+        private_posterior(private, {"y_dp": jnp.array([1.0, 2.5, -1.0])}).run(random.PRNGKey(0), 3)
+    # shapes that do not match the model
+    with pytest.raises(ValueError, match="shape"):
+        private_posterior(private, {"y_dp": jnp.array([1, 2])}).run(random.PRNGKey(0), 3)
+    with pytest.raises(ValueError, match="shape"):
+        make_release(private_topic_model(1.0), 4, 5, 2, np.ones((4, 6), np.int64), rng_key=0)
+    with pytest.raises(ValueError, match="broadcast"):
+        make_release(private_topic_model(alpha=np.full(3, 0.5)), 4, 5, 2, np.ones((4, 5), np.int64), rng_key=0)
+    with pytest.raises(ValueError, match="self-loops"):
+        make_release(private_community_model(1.0), 3, 2, np.ones((3, 3), np.int64), rng_key=0)
+    with pytest.raises(ValueError, match="geometric"):
+        from d3pext.mechanisms import LaplaceMechanism
+
+        privatize_counts(_poisson_model, site="y", mechanism=LaplaceMechanism(1.0))
+
+
+def test_bernstein_sheldon_backend_declines_records():
+    # the exponential-family backends are registered first and must pass records releases on
+    from d3pext.handlers.posterior import _BACKENDS, build_kernel, inspect_model
+
+    private = privatize_counts(_poisson_model, site="y", mechanism=limited_precision_mechanism(1.0))
+    pm = inspect_model(private, {"y_dp": jnp.array([3, -1, 4])}, (3,), {})
+    from d3pext.handlers.posterior import NotApplicable
+
+    for method in ("gibbs", "naive"):
+        name, first = _BACKENDS[method][0]
+        assert name not in ("schein-bessel", "truncated-counts")
+        with pytest.raises(NotApplicable, match="records"):
+            first(pm, {})
+    assert isinstance(build_kernel(pm, "naive", {}).blocks[0][0], CountGibbs)
+
+
+def test_local_privacy_epsilon():
+    # Theorem 1: epsilon = N ln(1/alpha); the heterogeneous mechanism reports the worst record
+    m = limited_precision_mechanism(2.0, N=4)
+    assert m.alpha == pytest.approx(np.exp(-0.5))
+    h = HeterogeneousGeometricMechanism.from_alpha(np.array([[0.2], [0.5]]), sensitivity=3)
+    assert h.epsilon == pytest.approx(3 * np.log(5))
+    assert h.cost().epsilon == pytest.approx(3 * np.log(5))
+
+
+# ---------------------------------------------------------------------------------------------
+# Posterior of a Poisson-gamma model (NUTS for the rate) against a brute-force grid
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_poisson_gamma_posterior_matches_grid_slow():
+    release = jnp.array([4, -2, 7, 1, 0, 9])
+    alpha = 0.5
+    private = privatize_counts(_poisson_model, site="y", mechanism=GeometricMechanism.from_alpha(alpha))
+    mcmc = private_posterior(private, {"y_dp": release}, num_warmup=1000, num_samples=4000,
+                             num_chains=4, progress_bar=False)
+    mcmc.run(random.PRNGKey(3), release.size)
+    rate = np.asarray(mcmc.get_samples()["rate"])
+    grid = np.linspace(1e-3, 25, 5000)
+    with jax.enable_x64(True):
+        loglik = np.asarray(
+            GeometricNoisedPoisson(grid[:, None], alpha).log_prob(np.asarray(release)[None]).sum(1)
+        )
+    log_post = st.gamma(2.0, scale=2.0).logpdf(grid) + loglik
+    w = np.exp(log_post - log_post.max())
+    cdf = np.cumsum(w) / w.sum()
+    mean = (grid * w).sum() / w.sum()
+    sd = np.sqrt(((grid - mean) ** 2 * w).sum() / w.sum())
+    assert abs(rate.mean() - mean) < 0.1 * sd  # loose; the KS test below is the sharp check
+    assert abs(rate.std() - sd) < 0.05 * sd
+    thinned = rate[::10]
+    assert st.kstest(thinned, lambda x: np.interp(x, grid, cdf)).pvalue > GOF_THRESHOLD
+
+
+# ---------------------------------------------------------------------------------------------
+# The method against the naive baseline (seed 002, Figure 4 ordering)
+# ---------------------------------------------------------------------------------------------
+
+
+def _reconstruction_errors(num_docs, alpha0, seed, num_warmup, num_samples):
+    key_data, key_alpha, key_release, key_run = random.split(random.key(seed), 4)
+    data = simulate_topic_corpus(key_data, num_docs=num_docs)
+    # heterogeneous noise: alpha_d ~ Beta(c alpha0, c (1 - alpha0)), c = 10 (section 5.1)
+    alpha = np.asarray(random.beta(key_alpha, 10 * alpha0, 10 * (1 - alpha0), (num_docs,)))
+    model = private_topic_model(alpha=np.clip(alpha, 1e-3, 1 - 1e-3))
+    args = (num_docs, 15, 3)
+    release = make_release(model, *args, data.counts, rng_key=key_release)
+    errors = {}
+    for method in ("gibbs", "naive"):
+        s = sample_releases(model, {k: v[None] for k, v in release.items()}, key_run, *args,
+                            method=method, num_warmup=num_warmup, num_samples=num_samples, num_chains=2)
+        mu = np.asarray(topic_rates(s["theta"][0], s["phi"][0]).mean((0, 1)))
+        errors[method] = np.abs(mu - data.counts).mean()
+    return errors
+
+
+@pytest.mark.slow
+def test_method_beats_naive_at_high_privacy_slow():
+    for seed in range(2):
+        errors = _reconstruction_errors(num_docs=90, alpha0=0.8, seed=seed, num_warmup=500, num_samples=500)
+        assert errors["gibbs"] < 0.8 * errors["naive"], errors

@@ -1,0 +1,77 @@
+"""Conditional spline flows and their compiled training loop (d3pext.flows)."""
+
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from jax import random
+import jax.numpy as jnp
+
+pytest.importorskip("flowjax")
+
+from d3pext.flows import FlowTrainer, conditional_spline_flow, require_flowjax  # noqa: E402
+
+
+def _gaussian_data(key, n):
+    kc, ky = random.split(key)
+    c = random.uniform(kc, (n, 1), minval=-1, maxval=1)
+    y = jnp.concatenate([2 * c, -c], 1) + 0.5 * random.normal(ky, (n, 2))
+    return {"y": y, "c": c}
+
+
+def _nll(flow, batch, key):
+    return -flow.log_prob(batch["y"], batch["c"])
+
+
+@pytest.mark.slow
+def test_flow_learns_a_conditional_gaussian():
+    flow = conditional_spline_flow(random.key(0), 2, 1, layers=2, width=16, knots=6)
+    data = _gaussian_data(random.key(1), 1100)
+    train = {k: v[:1000] for k, v in data.items()}
+    valid = {k: v[1000:] for k, v in data.items()}
+    trainer = FlowTrainer(_nll, learning_rate=5e-3, max_epochs=60, patience=10)
+    flow, report = trainer.fit(flow, train, 1000, valid, 100, random.key(2))
+    assert report.nonfinite_steps == 0 and report.epochs >= 10
+    # patience: the run stops 10 epochs after its best one, or at max_epochs
+    assert report.epochs == min(report.best_epoch + 10, 60)
+    # the exact conditional entropy is 2 * 0.5 log(2 pi e 0.25) = 1.4516
+    assert report.best_valid_loss < 1.4516 + 0.15
+    for c in (-0.8, 0.8):
+        draws = flow.sample(random.key(3), (2000,), condition=jnp.array([c]))
+        np.testing.assert_allclose(np.asarray(draws.mean(0)), [2 * c, -c], atol=0.12)
+        np.testing.assert_allclose(np.asarray(draws.std(0)), [0.5, 0.5], atol=0.1)
+
+
+def test_fast_fit_skips_nonfinite_steps():
+    # fast twin of the test above: a tiny flow, a few epochs, a flagged row poisoning its batch
+    flow = conditional_spline_flow(random.key(0), 2, 1, layers=2, width=8, knots=4)
+    data = _gaussian_data(random.key(1), 600)
+    data["bad"] = (jnp.arange(600) == 7).astype(jnp.float32)
+
+    def loss(flow, batch, key):
+        return _nll(flow, batch, key) + jnp.where(batch["bad"] > 0, jnp.nan, 0.0)
+
+    valid = {k: v[500:] for k, v in data.items()}
+    valid["bad"] = jnp.zeros(100)
+    trainer = FlowTrainer(loss, learning_rate=1e-2, max_epochs=25, patience=25)
+    flow2, report = trainer.fit(flow, {k: v[:500] for k, v in data.items()}, 500, valid, 100,
+                                random.key(2))
+    assert report.nonfinite_steps == report.epochs  # one poisoned batch per epoch, skipped
+    assert all(math.isfinite(v) for v in report.train_losses)
+    assert report.best_valid_loss < report.valid_losses[0] - 0.3
+    draws = flow2.sample(random.key(3), (2000,), condition=jnp.array([0.8]))
+    assert float(draws[:, 0].mean()) > 0.8 and float(draws[:, 1].mean()) < -0.3
+
+
+def test_bad_input_and_missing_extra(monkeypatch):
+    with pytest.raises(ValueError, match="dim"):
+        conditional_spline_flow(random.key(0), 0, 1)
+    flow = conditional_spline_flow(random.key(0), 2, 1, layers=1, width=4, knots=4)
+    data = _gaussian_data(random.key(1), 50)
+    with pytest.raises(ValueError, match="batch"):
+        FlowTrainer(_nll).fit(flow, data, 50, data, 10, random.key(0))
+    monkeypatch.setitem(sys.modules, "flowjax", None)
+    with pytest.raises(ImportError, match=r"d3pext\[flows\]"):
+        require_flowjax()

@@ -1,0 +1,228 @@
+"""SPPE and SPLE (d3pext.sbi) on the linear-regression example of seed 000, against an exact
+importance-sampling reference; the linear-regression model's statistic and sensitivity."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from jax import random
+import jax.numpy as jnp
+import numpyro
+import numpyro.distributions as dist
+
+pytest.importorskip("flowjax")
+
+import d3pext.sbi  # noqa: E402,F401  (registers "sppe" and "sple")
+from d3pext.handlers import available_methods, private_posterior, privatize  # noqa: E402
+from d3pext.mechanisms import LaplaceMechanism  # noqa: E402
+from d3pext.models.linear_regression import (  # noqa: E402
+    PAPER_S_DP,
+    linear_regression_naive_posterior,
+    linear_regression_reference,
+    linear_regression_sensitivity,
+    linear_regression_statistic,
+    private_linear_regression,
+)
+
+PAPER_DA_MCMC = np.array([-0.62, -2.72, 0.54])  # seed 000, Table 1
+S_OBS = {"records_dp": jnp.array(PAPER_S_DP)}
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+def _record_stat(r):
+    x = np.concatenate([[1.0], r[:-1]])
+    y = r[-1]
+    q = len(x)
+    xx = np.outer(x, x)
+    rows, cols = np.triu_indices(q)
+    keep = ~((rows == 0) & (cols == 0))
+    return np.concatenate([x * y, [y * y], xx[rows[keep], cols[keep]]])
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_sensitivity_bound_by_brute_force(p):
+    # every pair of records in [-1, 1]^(p+1) on a grid plus random pairs: the L1 change of the
+    # per-record statistic never exceeds n * Delta = (p + 1)(p + 9/4), and comes close to it
+    grid = np.linspace(-1, 1, 9)
+    recs = np.array(list(itertools.product(grid, repeat=p + 1)))
+    rng = np.random.default_rng(0)
+    recs = np.concatenate([recs, rng.uniform(-1, 1, (2000, p + 1)), [[1.0] * p + [-0.5]]])
+    t = np.array([_record_stat(r) for r in recs])
+    worst = max(np.abs(t[i] - t).sum(1).max() for i in range(len(t)))
+    bound = linear_regression_sensitivity(p, 1)
+    assert worst <= bound
+    assert worst > 0.7 * bound
+    if p == 2:  # the paper's (p^2 + 3p + 3)/n = 13/n is valid too, the naive count 15 is loose
+        assert bound <= 13.0
+
+
+def test_statistic_matches_direct_computation():
+    rng = np.random.default_rng(1)
+    records = rng.normal(0, 8, (50, 3))
+    z = np.clip(records, -10, 10) / 10
+    expected = np.mean([_record_stat(r) for r in z], 0)
+    np.testing.assert_allclose(np.asarray(linear_regression_statistic(jnp.asarray(records))),
+                               expected, rtol=1e-5, atol=1e-6)
+
+
+def test_smaller_sensitivity_is_refused():
+    with pytest.raises(ValueError, match="proven bound"):
+        private_linear_regression(100, 10.0, sensitivity=0.1)
+
+
+def test_naive_posterior_reproduces_the_paper():
+    mean, cov = linear_regression_naive_posterior(jnp.array(PAPER_S_DP), 100)
+    np.testing.assert_allclose(np.asarray(mean), [-4.63, -6.23, -5.10], atol=0.01)
+    lo = np.asarray(mean - 1.96 * jnp.sqrt(jnp.diag(cov)))
+    np.testing.assert_allclose(lo, [-5.04, -6.57, -5.40], atol=0.02)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_methods_registered():
+    assert {"sppe", "sple"} <= set(available_methods())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"rounds": 0}, "rounds"), ({"simulations_per_round": 0}, "simulations_per_round"),
+     ({"simulations_per_round": 50}, "batch_size"), ({"integration": "qmc"}, "integration"),
+     ({"num_atoms": 1}, "num_atoms")],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        private_posterior(private_linear_regression(100, 10.0), S_OBS, method="sppe", **kwargs)
+
+
+def test_bad_release_and_unsimulable_model():
+    model = private_linear_regression(100, 10.0)
+    post = private_posterior(model, {"records_dp": jnp.zeros(8)}, method="sppe")
+    with pytest.raises(ValueError, match="shape"):
+        post.run(random.key(0), 100)
+    post = private_posterior(model, {"x_dp": jnp.zeros(9)}, method="sple")
+    with pytest.raises(ValueError, match="not release sites"):
+        post.run(random.key(0), 100)
+
+    class NoSampler(dist.Normal):
+        def sample(self, key, sample_shape=()):
+            raise NotImplementedError("no sampler")
+
+    def model2(n):
+        mu = numpyro.sample("mu", dist.Normal(0, 1))
+        with numpyro.plate("n", n):
+            numpyro.sample("x", NoSampler(mu, 1.0))
+
+    private = privatize(model2, site="x", mechanism=LaplaceMechanism(1.0, sensitivity=1.0),
+                        statistic=lambda x: jnp.clip(x, -1, 1).sum())
+    post = private_posterior(private, {"x_dp": jnp.array(1.0)}, method="sppe")
+    with pytest.raises(ValueError, match="cannot be simulated forward"):
+        post.run(random.key(0), 10)
+
+
+# -- SPPE, fast twin -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_sppe():
+    model = private_linear_regression(100, 10.0, sensitivity=0.13)
+    # one round (maximum likelihood); the atomic loss of later rounds is checked directly below
+    post = private_posterior(
+        model, S_OBS, method="sppe", rounds=1, simulations_per_round=420, num_points=4,
+        max_epochs=40, learning_rate=5e-3, flow_kwargs=dict(layers=2, width=8, knots=4),
+        progress_bar=False,
+    )
+    return post.run(random.key(0), 100)
+
+
+def test_sppe_tiny_run(tiny_sppe):
+    post = tiny_sppe
+    assert [d["round"] for d in post.diagnostics] == [1]
+    assert all(d["epochs"] >= 1 and np.isfinite(d["best_valid_loss"]) for d in post.diagnostics)
+    draws = post.sample(random.key(1), 500)
+    assert draws["beta"].shape == (500, 3)
+    lp = post.log_prob({"beta": draws["beta"][:10]})
+    assert lp.shape == (10,) and bool(jnp.all(jnp.isfinite(lp)))
+    # the posterior has left the prior N(0, 1) towards the reference (beta_1 near -2.7)
+    assert float(draws["beta"][:, 1].mean()) < -1.0
+
+
+def test_sppe_log_prob_is_normalized(tiny_sppe):
+    # Riemann sum of exp(log_prob) over a grid covering the posterior
+    post = tiny_sppe
+    draws = np.asarray(post.sample(random.key(2), 2000)["beta"])
+    lo, hi = draws.min(0) - 1.5, draws.max(0) + 1.5
+    axes = [np.linspace(a, b, 44) for a, b in zip(lo, hi)]
+    grid = np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)
+    cell = np.prod([(a[1] - a[0]) for a in axes])
+    mass = float(jnp.sum(jnp.exp(post.log_prob({"beta": jnp.asarray(grid, jnp.float32)})))) * cell
+    assert abs(mass - 1.0) < 0.05
+
+
+def test_atomic_loss_matches_its_formula(tiny_sppe):
+    from d3pext.sbi import _make_atomic_loss
+
+    flow = tiny_sppe.flow
+    B, M = 6, 3
+    k1, k2, k3 = random.split(random.key(3), 3)
+    batch = {"z": random.normal(k1, (B, 3)), "s": random.normal(k2, (B, M, 9)),
+             "logp": random.normal(k3, (B,))}
+    # with num_atoms = B every other example is an atom: the loss is deterministic
+    got = _make_atomic_loss(B)(flow, batch, random.key(0))
+    # log q(theta_k | s_ij) for every example i, release point j and atom k, in one call
+    z_all = jnp.broadcast_to(batch["z"][None, None], (B, M, B, 3)).reshape(-1, 3)
+    s_all = jnp.broadcast_to(batch["s"][:, :, None], (B, M, B, 9)).reshape(-1, 9)
+    lq = np.asarray(flow.log_prob(z_all, s_all)).reshape(B, M, B)
+    logits = lq - np.asarray(batch["logp"])[None, None, :]
+    own = logits[np.arange(B), :, np.arange(B)]  # (B, M): theta_i with its own releases
+    log_norm = np.log(np.exp(logits).sum(-1))
+    expected = -(own - log_norm).mean(1)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4)
+
+
+# -- slow: SPPE and SPLE against the exact reference --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return linear_regression_reference(jnp.array(PAPER_S_DP), random.key(0), 100, 10.0,
+                                       sensitivity=0.13)
+
+
+@pytest.mark.slow
+def test_reference_matches_paper_da_mcmc(reference):
+    assert reference["ess"] > 300
+    np.testing.assert_allclose(np.asarray(reference["mean"]), PAPER_DA_MCMC, atol=0.15)
+
+
+def _weighted_quantiles(x, w, qs):
+    order = np.argsort(x)
+    cw = np.cumsum(w[order])
+    return np.interp(qs, cw / cw[-1], x[order])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["sppe", "sple"])
+def test_sppe_sple_match_reference(method, reference):
+    model = private_linear_regression(100, 10.0, sensitivity=0.13)
+    post = private_posterior(
+        model, S_OBS, method=method, rounds=4, simulations_per_round=1000, num_points=8,
+        max_epochs=100, patience=10, flow_kwargs=dict(layers=4, width=32), progress_bar=False,
+        num_warmup=200, num_chains=4,
+    )
+    post.run(random.key(0), 100)
+    draws = np.asarray(post.sample(random.key(1), 4000)["beta"])
+    ref_mean = np.asarray(reference["mean"])
+    assert np.all(np.abs(draws.mean(0) - ref_mean) < 0.3)
+    samples, w = np.asarray(reference["samples"]), np.asarray(reference["weights"])
+    naive_mean, _ = linear_regression_naive_posterior(jnp.array(PAPER_S_DP), 100)
+    for j in range(3):
+        lo, hi = np.percentile(draws[:, j], [2.5, 97.5])
+        rlo, rhi = _weighted_quantiles(samples[:, j], w, [0.025, 0.975])
+        overlap = max(0.0, min(hi, rhi) - max(lo, rlo)) / (rhi - rlo)
+        assert overlap > 0.7
+        # the naive posterior mean lies outside the reference 95% interval
+        assert not rlo < float(naive_mean[j]) < rhi
