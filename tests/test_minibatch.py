@@ -125,10 +125,16 @@ def test_rank_walk_passes_do_not_change_the_result(monkeypatch):
     # 0, 1, 2, ...; forcing many short passes (7 inputs each) must give the same subset
     # and order as the single pass, including a full permutation (B = N)
     keys = jax.random.split(jax.random.key(5), 4)
-    expected = [np.asarray(_feistel_rank_walk(k, n, b, 16)) for k in keys for n, b in ((513, 40), (600, 600))]
+
+    def walks():  # traced afresh on each call, so _chunk_size is read again
+        return [
+            np.asarray(jax.jit(jax.vmap(lambda k: _feistel_rank_walk(k, n, b, 16)))(keys))
+            for n, b in ((513, 40), (600, 600))
+        ]
+
+    expected = walks()
     monkeypatch.setattr(minibatch, "_chunk_size", lambda *args: 7)
-    got = [np.asarray(_feistel_rank_walk(k, n, b, 16)) for k in keys for n, b in ((513, 40), (600, 600))]
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, walks()):
         np.testing.assert_array_equal(e, g)
 
 

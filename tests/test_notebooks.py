@@ -22,7 +22,16 @@ def _missing_requirements() -> str:
     return ", ".join(missing)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+# Notebooks whose CI size still takes over four minutes of CPU (compiling several flow trainers):
+# run with ``pytest -m slow``; their code paths have fast twins in the unit tests (test_sbi.py).
+HEAVY = {"sppe_sple.ipynb"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if p.name in HEAVY else p for p in NOTEBOOKS],
+    ids=[p.name for p in NOTEBOOKS],
+)
 def test_notebook_runs(path, monkeypatch, tmp_path):
     missing = _missing_requirements()
     if missing:
