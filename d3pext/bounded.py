@@ -43,7 +43,6 @@ for the backend); see :mod:`d3pext.models.bounded_gaussian`.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 import math
 from typing import Any, Literal, NamedTuple, Union
@@ -59,10 +58,8 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.initialization import init_to_uniform
-from numpyro.infer.mcmc import MCMCKernel
-from numpyro.util import identity
 
-from d3pext.gibbs import _mixing_variance, _truncated_normal, _uniform_pairs
+from d3pext.gibbs import ConstrainedGibbsKernel, _mixing_variance, _truncated_normal, _uniform_pairs
 from d3pext.mechanisms import LaplaceMechanism
 from d3pext.tgm import TruncatedGammaMixture, truncated_gamma_icdf
 
@@ -370,7 +367,7 @@ class KazanReiterState(NamedTuple):
     rng_key: jax.Array
 
 
-class KazanReiterGibbs(MCMCKernel):
+class KazanReiterGibbs(ConstrainedGibbsKernel):
     """Kazan & Reiter Gibbs sampler (seed 001, Appendix D and L) as a NumPyro ``MCMCKernel``.
 
     Built by :func:`~d3pext.handlers.private_posterior` (``method="gibbs"``, backend
@@ -396,8 +393,6 @@ class KazanReiterGibbs(MCMCKernel):
     >>> bool((mcmc.get_samples()["mu"] >= 0).all())
     True
     """
-
-    sample_field = "z"
 
     def __init__(
         self,
@@ -433,17 +428,9 @@ class KazanReiterGibbs(MCMCKernel):
         }
 
     @property
-    def model(self):
-        return self._model
-
-    @property
     def sites(self) -> tuple[str, ...]:
         base = (self.spec.mean_site, self.spec.var_site)
         return base if self.naive else (*base, *self._names.values())
-
-    @property
-    def default_fields(self) -> tuple[str, ...]:
-        return ("z",)
 
     def _feasible_stats(self, ym, yv):
         """Starting (or, naive, fixed) statistics: the releases moved into the feasible region."""
@@ -565,19 +552,6 @@ class KazanReiterGibbs(MCMCKernel):
 
         return to_original
 
-    def get_constrain_fn(self, model_args, model_kwargs):
-        return identity
-
-    def refresh(self, state, model_args, model_kwargs):
-        return state
-
-    def wrap_model(self, wrapper) -> "KazanReiterGibbs":
-        kernel = copy.copy(self)
-        kernel._model = wrapper(self._model)
-        return kernel
-
-    def get_diagnostics_str(self, state) -> str:
-        return ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ updates})`` with ``updates`` a :class:`CountUpdates` (see :mod:`d3pext.models.po
 from __future__ import annotations
 
 import abc
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 import math
@@ -50,10 +49,10 @@ from numpyro.infer.gibbs import conditioned
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.mcmc import MCMCKernel
 from numpyro.primitives import Messenger
-from numpyro.util import identity
 
 from d3pext.accountants.ledger import PrivacyCost
 from d3pext.distributions import TwoSidedGeometric, sample_bessel
+from d3pext.gibbs import ConstrainedGibbsKernel
 from d3pext.handlers.posterior import NotApplicable, PrivateModel, register_backend
 from d3pext.handlers.privatize import ReleaseInfo, privatize
 from d3pext.mechanisms import GeometricMechanism, Mechanism
@@ -378,7 +377,7 @@ def _poisson(fn: dist.Distribution) -> dist.Poisson:
     return fn
 
 
-class CountGibbs(MCMCKernel):
+class CountGibbs(ConstrainedGibbsKernel):
     """Gibbs kernel for Poisson counts released through the geometric mechanism (seed 002).
 
     One sweep: for each :class:`CountBlock`, the counts and the noise rates given the Poisson
@@ -406,18 +405,11 @@ class CountGibbs(MCMCKernel):
     ['rate', 'y', 'y_dp_noise_rates']
     """
 
-    sample_field = "z"
-
     def __init__(self, model: Callable, blocks: Sequence[CountBlock]) -> None:
         if not blocks:
             raise ValueError("CountGibbs needs at least one CountBlock.")
         self._model = model
         self._blocks = tuple(blocks)
-        self._standalone = True
-
-    @property
-    def model(self) -> Callable:
-        return self._model
 
     @property
     def blocks(self) -> tuple[CountBlock, ...]:
@@ -427,10 +419,6 @@ class CountGibbs(MCMCKernel):
     def sites(self) -> tuple[str, ...]:
         """Latent sites updated by one sweep."""
         return tuple(name for blk in self._blocks for name in blk.sites)
-
-    @property
-    def default_fields(self) -> tuple[str, ...]:
-        return ("z",)
 
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
         model_kwargs = {} if model_kwargs is None else dict(model_kwargs)
@@ -489,23 +477,6 @@ class CountGibbs(MCMCKernel):
                 new = blk.updates(keys[2 * i + 1], values, counts)
                 z.update({name: new[name].astype(z[name].dtype) for name in blk.updates.sites})
         return CountGibbsState(z, rng_key, failures)
-
-    def refresh(self, state, model_args, model_kwargs):
-        """Identity: nothing is cached between sweeps."""
-        return state
-
-    def wrap_model(self, wrapper) -> "CountGibbs":
-        kernel = copy.copy(self)
-        kernel._model = wrapper(self._model)
-        kernel._standalone = False
-        return kernel
-
-    def get_constrain_fn(self, model_args, model_kwargs):
-        """Identity: the kernel works with constrained values."""
-        return identity
-
-    def postprocess_fn(self, model_args, model_kwargs):
-        return identity
 
     def get_diagnostics_str(self, state) -> str:
         return f"{int(state.num_failures)} Bessel failures" if state.num_failures.ndim == 0 else ""

@@ -475,7 +475,47 @@ def _outer_sections(family: ExpFamily, a: float, b: float):
     return (-math.inf, a), (b, math.inf)
 
 
-class ExpFamGibbs(MCMCKernel):
+class ConstrainedGibbsKernel(MCMCKernel):
+    """Base of the data-augmentation Gibbs kernels: state ``z`` in the constrained space.
+
+    Subclasses set ``self._model`` and implement ``init``/``sample``/``sites``; this class supplies
+    what NumPyro's ``MCMC`` and composite ``Gibbs`` ask of every such kernel (identity transforms,
+    no cached state, and ``wrap_model`` to run inside ``numpyro.infer.Gibbs``).
+    """
+
+    sample_field = "z"
+    _standalone = True  # False once wrapped as a block of numpyro.infer.Gibbs
+
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def default_fields(self) -> tuple[str, ...]:
+        return ("z",)
+
+    def refresh(self, state, model_args, model_kwargs):
+        """Identity: nothing is cached between sweeps."""
+        return state
+
+    def wrap_model(self, wrapper):
+        kernel = copy.copy(self)
+        kernel._model = wrapper(self._model)
+        kernel._standalone = False
+        return kernel
+
+    def get_constrain_fn(self, model_args, model_kwargs):
+        """Identity: the kernel works with constrained values."""
+        return identity
+
+    def postprocess_fn(self, model_args, model_kwargs):
+        return identity
+
+    def get_diagnostics_str(self, state) -> str:
+        return ""
+
+
+class ExpFamGibbs(ConstrainedGibbsKernel):
     """Bernstein & Sheldon Gibbs sampler for noisy sufficient statistics (Algorithms 1 and 2).
 
     Works on an augmented model (see :func:`d3pext.handlers.private_posterior`, which builds it
@@ -506,18 +546,11 @@ class ExpFamGibbs(MCMCKernel):
     'ExpFamGibbs'
     """
 
-    sample_field = "z"
-
     def __init__(self, model, blocks: Sequence[StatisticBlock]) -> None:
         if not blocks:
             raise ValueError("ExpFamGibbs needs at least one StatisticBlock.")
         self._model = model
         self._blocks = tuple(blocks)
-        self._standalone = True
-
-    @property
-    def model(self):
-        return self._model
 
     @property
     def blocks(self) -> tuple[StatisticBlock, ...]:
@@ -529,10 +562,6 @@ class ExpFamGibbs(MCMCKernel):
         return tuple(
             name for blk in self._blocks for name in (*blk.latent_sites, *(p for p, _ in blk.params))
         )
-
-    @property
-    def default_fields(self) -> tuple[str, ...]:
-        return ("z",)
 
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
         model_kwargs = {} if model_kwargs is None else dict(model_kwargs)
@@ -632,23 +661,4 @@ class ExpFamGibbs(MCMCKernel):
                 z[blk.noise_var] = _mixing_variance(draws.pairs(gap.shape), gap, blk.noise_scale)
         return z, rejections
 
-    def refresh(self, state, model_args, model_kwargs):
-        """Identity: nothing is cached between sweeps."""
-        return state
-
-    def wrap_model(self, wrapper) -> "ExpFamGibbs":
-        kernel = copy.copy(self)
-        kernel._model = wrapper(self._model)
-        kernel._standalone = False
-        return kernel
-
-    def get_constrain_fn(self, model_args, model_kwargs):
-        """Identity: the kernel works with constrained values."""
-        return identity
-
-    def postprocess_fn(self, model_args, model_kwargs):
-        return identity
-
-    def get_diagnostics_str(self, state) -> str:
-        return ""
 
