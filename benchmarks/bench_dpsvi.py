@@ -81,6 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--vae-scan-steps", type=int, default=50, help="at most this many steps per scan (adaptive)")
     p.add_argument("--vae-inner", type=int, default=20, help="at most this many calls per repeat (adaptive)")
     p.add_argument("--models-vae", action="store_true", help="add a row for d3pext.models.vae (plate mode)")
+    p.add_argument("--vae-materialize", action="store_true",
+                   help="VAE: also time DPSVI(clipping='materialize') (per-record gradients kept; slow on CPU)")
     p.add_argument("--no-d3p", action="store_true", help="skip the d3p baseline")
     p.add_argument("--d3p-vae", action="store_true", help="also time the VAE in d3p (slow)")
     p.add_argument("--d3p-full", action="store_true", help="d3p: also sampler timings and uniformity test")
@@ -203,6 +205,11 @@ def time_row(label, makers, max_scan, max_inner, repeats, budget_s=0.3):
         res["paired_ratio_dpsvi_over_svi"] = {
             t: round(statistics.median([a / b for a, b in zip(d["DPSVI"], d["SVI"])]), 4)
             for t, d in (("single", single), ("scan", scan))}
+    if "DPSVI-mat" in cs and "DPSVI" in cs:
+        res["paired_ratio_materialize_over_default"] = {
+            t: round(statistics.median([a / b for a, b in zip(d["DPSVI-mat"], d["DPSVI"])]), 4)
+            for t, d in (("single", single), ("scan", scan))}
+        log(f"  {label:<30s} DPSVI(clipping='materialize') / DPSVI(default): {res['paired_ratio_materialize_over_default']}")
     for k in cs:
         log(f"  {label:<30s} {k:<6s} single {res[k]['single']['median_ms']:10.4f} ms   "
             f"scan {res[k]['scan']['median_ms']:10.4f} ms/step")
@@ -215,13 +222,13 @@ def svi_cls(optim):
     return lambda m, g, **kw: SVI(m, g, optim, Trace_ELBO(), **kw)
 
 
-def dpsvi_cls(optim):
+def dpsvi_cls(optim, **options):
     from d3pext import DPSVI
 
-    return lambda m, g, **kw: DPSVI(m, g, optim, Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0, **kw)
+    return lambda m, g, **kw: DPSVI(m, g, optim, Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0, **options, **kw)
 
 
-def bench_model(name, models, full, batches, n_total, batch_size, args, max_scan, max_inner):
+def bench_model(name, models, full, batches, n_total, batch_size, args, max_scan, max_inner, extra=None):
     """SVI and DPSVI, plate and batch forms, for one model. ``full``: tuple of full data arrays (NumPy);
     ``batches``: tuple of stacked pre-drawn batches (S, B, ...) (NumPy)."""
     full = tuple(jnp.asarray(a) for a in full)
@@ -231,6 +238,7 @@ def bench_model(name, models, full, batches, n_total, batch_size, args, max_scan
     key = jax.random.PRNGKey(args.seed)
     optim = Adam(1e-3)
     classes = {"SVI": svi_cls(optim), "DPSVI": dpsvi_cls(optim)}
+    classes.update({k: make(optim) for k, make in (extra or {}).items()})
     mp, gp = models["plate"]
     mb, gb = models["batch"]
 
@@ -458,8 +466,9 @@ def main(argv=None):
         xv = common.binary_image_data(args.vae_n, 784, args.seed)
         steps = args.vae_scan_steps
         vidx = common.batch_indices(args.vae_n, args.vae_batch, max(steps, args.vae_inner), args.seed + 1)
+        extra = {"DPSVI-mat": partial(dpsvi_cls, clipping="materialize")} if args.vae_materialize else None
         out["vae"] = bench_model("vae", vmodels, (xv,), (xv[vidx],), args.vae_n, args.vae_batch, args, steps,
-                                 args.vae_inner)
+                                 args.vae_inner, extra)
         out["vae"]["config"] = {"N": args.vae_n, "dim": 784, "B": args.vae_batch, "hidden": args.vae_hidden,
                                 "latent": args.vae_latent, "scan_steps": steps,
                                 "num_params": common.vae_num_params(784, args.vae_hidden, args.vae_latent)}

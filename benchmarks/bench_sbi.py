@@ -3,13 +3,19 @@ proposal / simulation / training, and the RQMC-vs-MC RMSE slopes of the inner in
 
     python benchmarks/bench_sbi.py                      # paper size: 10 rounds x 1000 sims, M = 32
     python benchmarks/bench_sbi.py --rounds 2 --sims 1000 --num-points 8 --layers 4 --width 32
+    python benchmarks/bench_sbi.py --profile --num-points 32      # per-step costs, extrapolated
 
-Prints one table row per method (seconds, and the share spent training) and the slopes.
+Prints one table row per method (seconds, and the share spent training) and the slopes. With
+``--profile`` it prints instead the compiled cost of one training step of each loss (maximum
+likelihood, atomic APT, SPLE), of one validation pass over the fixed-capacity buffer with and
+without skipping the batches of padding, and a lower bound on the time of ``rounds`` rounds
+(every round at least ``patience + 1`` epochs over all simulations so far).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -44,6 +50,60 @@ def fit(method: str, args) -> dict:
     }
 
 
+def _timed(fn, *args, repeat: int = 3) -> tuple[float, float]:
+    """(first call incl. compilation, mean of ``repeat`` further calls), seconds."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return first, (time.perf_counter() - t0) / repeat
+
+
+def profile(args) -> None:
+    """Per-step cost of each loss at this size, and what it implies for a full run."""
+    import equinox as eqx
+    import paramax
+
+    from d3pext.flows import _partition, conditional_spline_flow
+    from d3pext.sbi import _make_atomic_loss, _sple_loss, _sppe_mle_loss
+
+    B, M, d, r, atoms = 100, args.num_points, 3, 9, 10
+    k1, k2, k3 = random.split(random.key(0), 3)
+    batch = {"z": random.normal(k1, (B, d)), "s": random.normal(k2, (B, M, r)),
+             "logp": random.normal(k3, (B,))}
+    valid_cap = args.rounds * round(0.05 * args.sims)
+    num_train = args.sims - round(0.05 * args.sims)
+    steps = sum((i * num_train) // B for i in range(1, args.rounds + 1))
+    print(f"batch {B}, M = {M}, {atoms} atoms; flow evaluations per step: MLE {B * M}, "
+          f"atomic {B * M * atoms}")
+    cost = {}
+    for name, loss, dim, cond in (("sppe-mle", _sppe_mle_loss, d, r),
+                                  ("sppe-atomic", _make_atomic_loss(atoms), d, r),
+                                  ("sple", _sple_loss, r, d)):
+        flow = conditional_spline_flow(random.key(1), dim, cond, layers=args.layers, width=args.width)
+        params, static = _partition(flow)
+
+        def mean_loss(p, b, key, loss=loss, static=static):
+            return jnp.mean(loss(paramax.unwrap(eqx.combine(p, static)), b, key))
+
+        compile_s, step_s = _timed(jax.jit(jax.value_and_grad(mean_loss)), params, batch, k1)
+        _, fwd_s = _timed(jax.jit(mean_loss), params, batch, k1)
+        cost[name] = step_s
+        # validation: one forward pass per batch of the buffer, or only per filled batch
+        full, first = -(-valid_cap // B) * fwd_s, -(-round(0.05 * args.sims) // B) * fwd_s
+        print(f"{name:12s} step (loss + gradient) {step_s:6.3f} s, forward {fwd_s:6.3f} s, first "
+              f"call {compile_s:5.1f} s; round-1 validation {full:5.2f} s -> {first:5.2f} s "
+              f"({full / first:.0f}x, padding batches skipped)")
+    epochs = 21  # patience 20: at least 21 epochs per round
+    sppe = cost["sppe-mle"] * (num_train // B) + cost["sppe-atomic"] * (steps - num_train // B)
+    print(f"{args.rounds} rounds x {args.sims}: {steps} steps per epoch-sweep; at >= {epochs} epochs "
+          f"per round, training alone takes >= {epochs * sppe / 60:.0f} min (SPPE), "
+          f">= {epochs * cost['sple'] * steps / 60:.0f} min (SPLE)")
+
+
 def slopes() -> dict:
     s_tilde = jnp.array([-0.3742, -0.0629, 0.0299, 0.2499, 0.0938, -0.1270, 0.0180, -0.0094, 0.0280])
     lap = LaplaceMechanism(10.0, sensitivity=0.13)
@@ -70,9 +130,15 @@ def main() -> None:
     p.add_argument("--max-epochs", type=int, default=1000)
     p.add_argument("--methods", default="sple,sppe")
     p.add_argument("--skip-slopes", action="store_true")
+    p.add_argument("--profile", action="store_true", help="per-step costs only (see above)")
     args = p.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {args.rounds} rounds x {args.sims} "
-          f"sims, M={args.num_points}, flow {args.layers} layers x {args.width}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores, load "
+          f"{load:.1f}); {args.rounds} rounds x {args.sims} sims, M={args.num_points}, flow "
+          f"{args.layers} layers x {args.width}")
+    if args.profile:
+        profile(args)
+        return
     if not args.skip_slopes:
         for name, (mc, q, ratio) in slopes().items():
             print(f"RQMC vs MC ({name}): slope MC {mc:.2f}, RQMC {q:.2f}; MC/RQMC RMSE at M=512: {ratio:.1f}x")

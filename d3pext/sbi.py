@@ -458,6 +458,24 @@ class SequentialEstimator:
         return self.sample(random.key(0), self.num_samples)
 
 
+_JITTED: dict = {}
+
+
+def _jitted(name: str) -> Callable:
+    """Module-level compiled flow methods. Called eagerly, flowjax's ``sample`` and ``log_prob``
+    compile their inner ``scan`` anew on every call (a fresh closure each time: seconds per
+    proposal round); compiled once here, they are cached by shape and the flow's structure."""
+    if name not in _JITTED:
+        import equinox as eqx
+
+        fns = {
+            "sample": lambda flow, key, num, cond: flow.sample(key, (num,), condition=cond),
+            "log_prob": lambda flow, x, cond: flow.log_prob(x, cond),
+        }
+        _JITTED[name] = eqx.filter_jit(fns[name])
+    return _JITTED[name]
+
+
 _TRAINERS: dict = {}
 
 
@@ -521,7 +539,7 @@ class SPPE(SequentialEstimator):
 
     def sample_unconstrained(self, rng_key, num_samples):
         self._check_run()
-        zs = self.flow.sample(rng_key, (num_samples,), condition=self.observed_standardized)
+        zs = _jitted("sample")(self.flow, rng_key, int(num_samples), self.observed_standardized)
         return zs * self.scaler.theta_std + self.scaler.theta_mean
 
     def log_prob(self, params: Mapping[str, Any]) -> jax.Array:
@@ -531,7 +549,7 @@ class SPPE(SequentialEstimator):
         sc = self.scaler
         zs = (z - sc.theta_mean) / sc.theta_std
         cond = jnp.broadcast_to(self.observed_standardized, (z.shape[0], self.simulator.release_dim))
-        lq = self.flow.log_prob(zs, cond) - jnp.sum(jnp.log(sc.theta_std))
+        lq = _jitted("log_prob")(self.flow, zs, cond) - jnp.sum(jnp.log(sc.theta_std))
         return lq - jax.vmap(self.simulator.log_abs_det_jacobian)(z)
 
 
@@ -617,7 +635,12 @@ class SPLE(SequentialEstimator):
         # start the chains at prior draws with the highest target density
         sim = self.simulator
         z, _ = sim.simulate(key, max(200, 4 * num_chains))
-        target = jax.vmap(lambda v: self._log_target(self.flow, v))(z)
+        if "init" not in self._nuts:
+            import equinox as eqx
+
+            self._nuts["init"] = eqx.filter_jit(
+                lambda flow, z: jax.vmap(lambda v: self._log_target(flow, v))(z))
+        target = self._nuts["init"](self.flow, z)
         return z[jnp.argsort(-target)[:num_chains]]
 
     def _draw(self, key, num, num_chains, num_warmup):
@@ -644,7 +667,7 @@ class SPLE(SequentialEstimator):
         s = self.simulator.observed if release is None else jnp.asarray(release).reshape(-1, self.simulator.release_dim)
         ss = jnp.broadcast_to((s - sc.s_mean) / sc.s_std, (z.shape[0], self.simulator.release_dim))
         zs = (z - sc.theta_mean) / sc.theta_std
-        return self.flow.log_prob(ss, zs) - jnp.sum(jnp.log(sc.s_std))
+        return _jitted("log_prob")(self.flow, ss, zs) - jnp.sum(jnp.log(sc.s_std))
 
     def log_prob(self, params: Mapping[str, Any]) -> jax.Array:
         """Unnormalized log posterior ``log p(theta) + log q(s_obs | theta)`` (constrained space)."""

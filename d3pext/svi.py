@@ -6,7 +6,9 @@ One step of :class:`DPSVI` (seed 003, section 2.3, after Jälkö et al.):
 2. draw the variational sample(s) theta ~ q(theta | psi), shared by every record of the batch;
 3. for each record, the gradient of its *unscaled* ELBO term (its log-likelihood and, for local latent
    variables, their prior and guide terms), computed with ``vmap`` and clipped to L2 norm ``C`` over the
-   whole parameter tree;
+   whole parameter tree; for large models the clipped sum is the gradient of the loss reweighted by
+   ``min(1, C / norm)`` (norms first, then one batched backward pass: ``clipping="reweight"``), so that B
+   copies of the gradient are never held;
 4. sum, add Gaussian noise of standard deviation ``sigma * C`` once, and rescale by ``N / B``;
 5. add the gradient of the data-independent terms (global prior and guide entropy), which needs neither
    clipping nor noise, and update the parameters with the optimizer.
@@ -215,6 +217,11 @@ class DPSVI(SVI):
     :param sampler: ``"fixed"`` or ``"poisson"`` (plate mode).
     :param data_plate: name of the data plate, if it cannot be inferred.
     :param num_obs_total: N, for batch-mode models whose plate does not know the total number of records.
+    :param clipping: how the clipped sum is computed. ``"materialize"``: per-record gradients by ``vmap``,
+        clipped and summed (one pass; memory B x parameters). ``"reweight"``: per-record gradient norms
+        first (reduced as they are formed), then one batched backward pass of the loss reweighted by
+        ``min(1, C / norm)``, which gives the same sum by linearity without keeping B gradient copies.
+        ``"auto"`` (default) reweights when B x parameters exceeds ``2**22``, where memory traffic dominates.
 
     **Example**
 
@@ -252,6 +259,7 @@ class DPSVI(SVI):
         sampler: str = "fixed",
         data_plate: Optional[str] = None,
         num_obs_total: Optional[int] = None,
+        clipping: str = "auto",
         **static_kwargs,
     ):
         loss = Trace_ELBO() if loss is None else loss
@@ -286,6 +294,9 @@ class DPSVI(SVI):
             raise ValueError(f"sampler must be 'fixed' or 'poisson', got {sampler!r}")
         if num_obs_total is not None and (int(num_obs_total) != num_obs_total or num_obs_total < 1):
             raise ValueError(f"num_obs_total must be a positive integer, got {num_obs_total}")
+        if clipping not in ("auto", "materialize", "reweight"):
+            raise ValueError(f"clipping must be 'auto', 'materialize' or 'reweight', got {clipping!r}")
+        self.clipping = clipping
         self.clipping_threshold = clipping_threshold
         self.dp_scale = dp_scale
         self.target_epsilon = epsilon
@@ -542,11 +553,34 @@ class DPSVI(SVI):
             n = jnp.shape(args[0])[0]
             indices, mask = jnp.arange(n), jnp.ones(n, bool)
             records = (indices, indices)
-        record_fn = jax.value_and_grad(self._record_loss)
         if structure.plate_mode:
-            losses, grads = jax.vmap(record_fn, in_axes=(None, None, None, None, 0))(params, elbo_key, args, kwargs, records)
+            per_record = lambda fn, p, recs, a: jax.vmap(fn, in_axes=(None, None, None, None, 0))(p, elbo_key, a, kwargs, recs)
         else:
-            losses, grads = jax.vmap(lambda rec, a: record_fn(params, elbo_key, a, kwargs, rec))(records, args)
+            per_record = lambda fn, p, recs, a: jax.vmap(lambda rec, ra: fn(p, elbo_key, ra, kwargs, rec))(recs, a)
+        c = self.clipping_threshold
+        if self._reweights(params):
+            clipped, losses, mask = self._reweighted_sum(params, args, records, mask, per_record, stable)
+        else:
+            clipped, losses, mask = self._materialized_sum(params, args, records, mask, per_record, stable)
+        leaves, treedef = jax.tree.flatten(clipped)
+        noise_keys = random.split(noise_key, len(leaves))
+        scale = structure.num_records / structure.batch_size
+        noisy = [(g + self.dp_scale * c * random.normal(k, g.shape, g.dtype)) * scale for g, k in zip(leaves, noise_keys)]
+        global_loss, global_grads = jax.value_and_grad(self._global_loss)(params, elbo_key, args, kwargs, indices[0] if structure.plate_mode else 0)
+        grads = jax.tree.map(jnp.add, jax.tree.unflatten(treedef, noisy), global_grads)
+        loss = scale * jnp.sum(jnp.where(mask, losses, 0.0)) + global_loss
+        return loss, grads
+
+    def _reweights(self, params) -> bool:
+        """Whether the clipped sum is computed by reweighting (decided at trace time from static shapes)."""
+        if self.clipping != "auto":
+            return self.clipping == "reweight"
+        num_params = sum(int(np.prod(jnp.shape(leaf))) for leaf in jax.tree.leaves(params))
+        return self.structure.batch_size * num_params > 2**22
+
+    def _materialized_sum(self, params, args, records, mask, per_record, stable):
+        """Clipped sum from materialized per-record gradients (B copies of the parameter tree)."""
+        losses, grads = per_record(jax.value_and_grad(self._record_loss), params, records, args)
         if stable:
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(jnp.reshape(g, (g.shape[0], -1))), axis=1) for g in jax.tree.leaves(grads)]), axis=0)
             mask = mask & finite & jnp.isfinite(losses)
@@ -554,19 +588,36 @@ class DPSVI(SVI):
         # so that not even a NaN of theirs can reach the sum.
         grads = jax.tree.map(lambda g: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (g.ndim - 1)), g, 0.0), grads)
         c = self.clipping_threshold
-        norms = _tree_norms(grads)
-        weights = jnp.where(mask, c / jnp.maximum(norms, c), 0.0)
-        leaves, treedef = jax.tree.flatten(grads)
-        noise_keys = random.split(noise_key, len(leaves))
-        scale = structure.num_records / structure.batch_size
-        noisy = [
-            (jnp.tensordot(weights, g, axes=1) + self.dp_scale * c * random.normal(k, g.shape[1:], g.dtype)) * scale
-            for g, k in zip(leaves, noise_keys)
-        ]
-        global_loss, global_grads = jax.value_and_grad(self._global_loss)(params, elbo_key, args, kwargs, indices[0] if structure.plate_mode else 0)
-        grads = jax.tree.map(jnp.add, jax.tree.unflatten(treedef, noisy), global_grads)
-        loss = scale * jnp.sum(jnp.where(mask, losses, 0.0)) + global_loss
-        return loss, grads
+        weights = jnp.where(mask, c / jnp.maximum(_tree_norms(grads), c), 0.0)
+        return jax.tree.map(lambda g: jnp.tensordot(weights, g, axes=1), grads), losses, mask
+
+    def _reweighted_sum(self, params, args, records, mask, per_record, stable):
+        """Clipped sum as the gradient of sum_i w_i loss_i, w_i = min(1, C / |grad loss_i|) held fixed.
+
+        The norms are reduced per record as the gradients are formed; the second pass is one batched
+        backward pass. Records outside the mask are replaced by the first record inside it before that
+        pass, so that their weight of exactly 0 multiplies a finite gradient (a padding slot's or a
+        non-finite record's NaN never reaches the sum).
+        """
+
+        def loss_and_norm(p, key, a, kw, rec):
+            loss, grad = jax.value_and_grad(self._record_loss)(p, key, a, kw, rec)
+            return loss, jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grad)))
+
+        losses, norms = per_record(loss_and_norm, params, records, args)
+        if stable:
+            mask = mask & jnp.isfinite(norms) & jnp.isfinite(losses)
+        c = self.clipping_threshold
+        weights = jax.lax.stop_gradient(jnp.where(mask, c / jnp.maximum(jnp.where(mask, norms, c), c), 0.0))
+        first = jnp.argmax(mask)
+        substitute_ = lambda t: jax.tree.map(lambda v: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (v.ndim - 1)), v, v[first]), t)
+        if self.structure.plate_mode:
+            records = substitute_(records)
+        else:
+            records, args = substitute_(records), substitute_(args)
+        grads = jax.grad(lambda p: jnp.sum(weights * per_record(self._record_loss, p, records, args)))(params)
+        grads = jax.tree.map(lambda g: jnp.where(jnp.any(mask), g, 0.0), grads)
+        return grads, losses, mask
 
     def _step(self, state: DPSVIState, args, dyn_kwargs, static_kwargs, stable: bool):
         kwargs = {**dyn_kwargs, **dict(static_kwargs)}

@@ -36,3 +36,4 @@ __all__ = [
 import d3pext.bounded  # noqa: E402,F401  (Kazan & Reiter bounded Gaussian)
 import d3pext.counts  # noqa: E402,F401  (Schein et al. Bessel augmentation for counts)
 import d3pext.sbi  # noqa: E402,F401  (Xiong, Ju & Zhang "sppe" and "sple"; flowjax imported on use)
+import d3pext.regression  # noqa: E402,F401  (Bernstein & Sheldon regression with Kazan & Reiter constraints)

@@ -1,6 +1,12 @@
 """Models of the seed papers, written as ordinary NumPyro code with privacy annotations."""
 
 from d3pext.models.bounded_gaussian import BLOOD_LEAD, bounded_gaussian_model, private_bounded_gaussian
+from d3pext.models.constrained_regression import (
+    BROWNLEE_LIKE,
+    constrained_regression_model,
+    private_constrained_regression,
+    simulate_drinking_cirrhosis,
+)
 from d3pext.models.expfam import (
     beta_binomial_model,
     dirichlet_multinomial_model,
@@ -33,6 +39,17 @@ from d3pext.models.linear_regression import (
     linear_regression_sensitivity,
     linear_regression_statistic,
     private_linear_regression,
+)
+from d3pext.models.naive_bayes import (
+    NaiveBayesRecords,
+    naive_bayes_log_likelihood,
+    naive_bayes_model,
+    naive_bayes_naive_posterior,
+    naive_bayes_reference,
+    naive_bayes_sensitivity,
+    naive_bayes_statistic,
+    private_naive_bayes,
+    simulate_naive_bayes,
 )
 from d3pext.models.poisson_factorization import (
     CommunityModelUpdates,
@@ -116,4 +133,17 @@ __all__ = [
     "BLOOD_LEAD",
     "bounded_gaussian_model",
     "private_bounded_gaussian",
+    "BROWNLEE_LIKE",
+    "constrained_regression_model",
+    "private_constrained_regression",
+    "simulate_drinking_cirrhosis",
+    "NaiveBayesRecords",
+    "naive_bayes_log_likelihood",
+    "naive_bayes_model",
+    "naive_bayes_naive_posterior",
+    "naive_bayes_reference",
+    "naive_bayes_sensitivity",
+    "naive_bayes_statistic",
+    "private_naive_bayes",
+    "simulate_naive_bayes",
 ]

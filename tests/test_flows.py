@@ -75,3 +75,16 @@ def test_bad_input_and_missing_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "flowjax", None)
     with pytest.raises(ImportError, match=r"d3pext\[flows\]"):
         require_flowjax()
+
+
+def test_validation_ignores_padding_batches():
+    # a validation buffer of 3 batches holding one batch of data (the rest NaN padding, as in
+    # early rounds of SPPE/SPLE) gives exactly the loss of the unpadded buffer
+    flow = conditional_spline_flow(random.key(0), 2, 1, layers=1, width=4, knots=4)
+    data = _gaussian_data(random.key(1), 300)
+    padded = {k: v.at[100:].set(jnp.nan) for k, v in data.items()}
+    first = {k: v[:100] for k, v in data.items()}
+    trainer = FlowTrainer(_nll, max_epochs=2)
+    _, a = trainer.fit(flow, data, 300, first, 100, random.key(2))
+    _, b = trainer.fit(flow, data, 300, padded, 100, random.key(2))
+    assert a.valid_losses == b.valid_losses and all(math.isfinite(v) for v in a.valid_losses)

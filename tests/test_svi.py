@@ -329,3 +329,41 @@ def test_poisson_sampler_plate_mode(data):
     assert report.relation == "add_remove" and report.sampler == "PoissonSampler"
     assert report.epsilon <= 1.0 and report.delta > 1e-5  # the truncation's tail probability is added
     assert bool(jnp.all(jnp.isfinite(result.losses)))
+
+
+@pytest.mark.parametrize("form", ["poisson", "batch"])
+def test_reweighted_clipping_equals_materialized(data, form):
+    """clipping='reweight' (norms, then one weighted backward pass) gives the materialized clipped sum,
+    including Poisson padding slots and, under stable_update, records with non-finite gradients."""
+    x, y = data
+    y_bad = y.at[:700].set(jnp.nan)  # about a third of every batch is non-finite
+    step_key = jax.random.key(7)
+    outputs = {}
+    for clipping in ("materialize", "reweight"):
+        if form == "batch":
+            model, args, bad = logistic_batch, (x[:100], y[:100]), (x[:100], y_bad[:100])
+            svi = DPSVI(model, AutoDiagonalNormal(model), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=0.3,
+                        dp_scale=0.5, num_records=x.shape[0], clipping=clipping)
+        else:
+            model, args, bad = logistic, (x, y), (x, y_bad)
+            svi = DPSVI(model, AutoDiagonalNormal(model), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=0.3,
+                        dp_scale=0.5, sampler=form, clipping=clipping)
+        state = svi.init(jax.random.key(1), *args)
+        params = jax.tree.map(lambda p: p + 0.3, svi.optim.get_params(state.optim_state))
+        outputs[clipping] = jax.jit(lambda p: svi._private_grad(p, step_key, bad, {}, True))(params)
+    (loss_m, grads_m), (loss_r, grads_r) = outputs["materialize"], outputs["reweight"]
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads_r))
+    np.testing.assert_allclose(loss_r, loss_m, rtol=1e-5)
+    for name in grads_m:
+        np.testing.assert_allclose(grads_r[name], grads_m[name], rtol=2e-4, atol=1e-5)
+
+
+def test_clipping_choice_is_validated_and_auto_picks_by_size(data):
+    with pytest.raises(ValueError, match="clipping"):
+        DPSVI(logistic, AutoDelta(logistic), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1.0,
+              dp_scale=1.0, clipping="ghost")
+    x, y = data
+    svi = DPSVI(logistic, AutoDelta(logistic), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
+    svi.init(jax.random.key(0), x, y)
+    assert not svi._reweights({"w": jnp.zeros(3)})  # 100 x 3 values: materialize
+    assert svi._reweights({"w": jnp.zeros((400, 784))})  # 100 x 313,600 values: reweight
