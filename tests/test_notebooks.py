@@ -22,9 +22,10 @@ def _missing_requirements() -> str:
     return ", ".join(missing)
 
 
-# Notebooks whose CI size still takes over four minutes of CPU (compiling several flow trainers):
-# run with ``pytest -m slow``; their code paths have fast twins in the unit tests (test_sbi.py).
-HEAVY = {"sppe_sple.ipynb"}
+# Notebooks whose CI size still takes minutes of CPU (compiling several flow trainers, or the four
+# constrained-regression samplers): run with ``pytest -m slow``; their code paths have fast twins in
+# the unit tests (test_sbi.py, test_regression.py).
+HEAVY = {"sppe_sple.ipynb", "constrained_regression.ipynb"}
 
 
 @pytest.mark.parametrize(
