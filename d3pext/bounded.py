@@ -600,11 +600,7 @@ def _build(pm, naive: bool) -> KazanReiterGibbs:
         raise NotApplicable(
             f"Kazan & Reiter needs normal records, {mean_info.source!r} is {type(record).__name__}."
         )
-    specs = [
-        s["infer"][PRIOR_KEY]
-        for s in pm.trace.values()
-        if s["type"] == "sample" and PRIOR_KEY in (s.get("infer") or {})
-    ]
+    specs = pm.declarations(PRIOR_KEY)
     if len(specs) != 1:
         raise NotApplicable(
             "declare the mean and variance with d3pext.bounded.bounded_gaussian_prior(...) "
@@ -633,10 +629,8 @@ def _build(pm, naive: bool) -> KazanReiterGibbs:
 
 
 def _register() -> None:
-    from d3pext.handlers.posterior import _BACKENDS, register_backend
+    from d3pext.handlers.posterior import register_backend
 
-    if any(name == "kazan-reiter" for name, _ in _BACKENDS.get("gibbs", [])):
-        return
     register_backend("gibbs", "kazan-reiter")(lambda pm, options: _build(pm, naive=False))
     register_backend("naive", "kazan-reiter")(lambda pm, options: _build(pm, naive=True))
 

@@ -878,11 +878,7 @@ class BernsteinSheldonRegression(ConstrainedGibbsKernel):
 def _build(pm, naive: bool) -> BernsteinSheldonRegression:
     from d3pext.handlers.posterior import NotApplicable
 
-    specs = [
-        s["infer"][SPEC_KEY]
-        for s in pm.trace.values()
-        if s["type"] == "sample" and SPEC_KEY in (s.get("infer") or {})
-    ]
+    specs = pm.declarations(SPEC_KEY)
     if len(specs) != 1:
         raise NotApplicable(
             "declare the coefficients and variance with d3pext.regression.regression_prior(...) "
@@ -924,10 +920,8 @@ def _build(pm, naive: bool) -> BernsteinSheldonRegression:
 
 
 def _register() -> None:
-    from d3pext.handlers.posterior import _BACKENDS, register_backend
+    from d3pext.handlers.posterior import register_backend
 
-    if any(name == "bernstein-sheldon-regression" for name, _ in _BACKENDS.get("gibbs", [])):
-        return
     register_backend("gibbs", "bernstein-sheldon-regression")(lambda pm, options: _build(pm, False))
     register_backend("naive", "bernstein-sheldon-regression")(lambda pm, options: _build(pm, True))
 

@@ -608,7 +608,7 @@ class DPSVI(SVI):
         if stable:
             mask = mask & jnp.isfinite(norms) & jnp.isfinite(losses)
         c = self.clipping_threshold
-        weights = jax.lax.stop_gradient(jnp.where(mask, c / jnp.maximum(jnp.where(mask, norms, c), c), 0.0))
+        weights = jnp.where(mask, c / jnp.maximum(jnp.where(mask, norms, c), c), 0.0)  # constants of the second pass
         first = jnp.argmax(mask)
         substitute_ = lambda t: jax.tree.map(lambda v: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (v.ndim - 1)), v, v[first]), t)
         if self.structure.plate_mode:

@@ -104,6 +104,14 @@ class PrivateModel:
             if site["type"] == "sample" and not site["is_observed"]
         )
 
+    def declarations(self, key: str) -> list:
+        """The values that sample sites declare under ``infer[key]`` (e.g. a backend's prior spec)."""
+        return [
+            site["infer"][key]
+            for site in self.trace.values()
+            if site["type"] == "sample" and key in (site.get("infer") or {})
+        ]
+
 
 Backend = Callable[[PrivateModel, dict], MCMCKernel]
 _BACKENDS: dict[str, list[tuple[str, Backend]]] = {}
@@ -111,6 +119,9 @@ _BACKENDS: dict[str, list[tuple[str, Backend]]] = {}
 
 def register_backend(method: str, name: str | None = None) -> Callable[[Backend], Backend]:
     """Register a backend for ``method``; backends of a method are tried in registration order.
+
+    Registering a name again replaces that backend in place (a module imported twice, or reloaded,
+    registers once).
 
     >>> @register_backend("my-method")
     ... def my_backend(private_model, options):
@@ -121,7 +132,13 @@ def register_backend(method: str, name: str | None = None) -> Callable[[Backend]
     """
 
     def decorator(backend: Backend) -> Backend:
-        _BACKENDS.setdefault(method, []).append((name or backend.__name__, backend))
+        entries = _BACKENDS.setdefault(method, [])
+        entry = (name or backend.__name__, backend)
+        names = [n for n, _ in entries]
+        if entry[0] in names:
+            entries[names.index(entry[0])] = entry
+        else:
+            entries.append(entry)
         return backend
 
     return decorator
