@@ -82,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--vae-inner", type=int, default=20, help="at most this many calls per repeat (adaptive)")
     p.add_argument("--models-vae", action="store_true", help="add a row for d3pext.models.vae (plate mode)")
     p.add_argument("--vae-materialize", action="store_true",
-                   help="VAE: also time DPSVI(clipping='materialize') (per-record gradients kept; slow on CPU)")
+                   help="VAE: also time DPSVI(clipping='materialize') (per-record gradients kept; slow on CPU) against the default (ghost clipping)")
     p.add_argument("--no-d3p", action="store_true", help="skip the d3p baseline")
     p.add_argument("--d3p-vae", action="store_true", help="also time the VAE in d3p (slow)")
     p.add_argument("--d3p-full", action="store_true", help="d3p: also sampler timings and uniformity test")

@@ -6,9 +6,9 @@ One step of :class:`DPSVI` (seed 003, section 2.3, after Jälkö et al.):
 2. draw the variational sample(s) theta ~ q(theta | psi), shared by every record of the batch;
 3. for each record, the gradient of its *unscaled* ELBO term (its log-likelihood and, for local latent
    variables, their prior and guide terms), computed with ``vmap`` and clipped to L2 norm ``C`` over the
-   whole parameter tree; for large models the clipped sum is the gradient of the loss reweighted by
-   ``min(1, C / norm)`` (norms first, then one batched backward pass: ``clipping="reweight"``), so that B
-   copies of the gradient are never held;
+   whole parameter tree; for large models the weights of matrix products never get per-record gradients:
+   their per-record norms and the clipped sum come from each record's layer inputs and output gradients
+   ("ghost" clipping, :mod:`d3pext.ghost`), so that B copies of the gradient are never held;
 4. sum, add Gaussian noise of standard deviation ``sigma * C`` once, and rescale by ``N / B``;
 5. add the gradient of the data-independent terms (global prior and guide entropy), which needs neither
    clipping nor noise, and update the parameters with the optimizer.
@@ -38,6 +38,7 @@ from numpyro.infer.svi import SVIRunResult
 
 from d3pext import accountants
 from d3pext.accountants import Relation
+from d3pext.ghost import PerRecordGradients, value_and_grad_norm
 from d3pext.minibatch import FixedSizeSampler, PoissonSampler
 from d3pext.prng import secure_key, threefry_key
 
@@ -217,11 +218,14 @@ class DPSVI(SVI):
     :param sampler: ``"fixed"`` or ``"poisson"`` (plate mode).
     :param data_plate: name of the data plate, if it cannot be inferred.
     :param num_obs_total: N, for batch-mode models whose plate does not know the total number of records.
-    :param clipping: how the clipped sum is computed. ``"materialize"``: per-record gradients by ``vmap``,
-        clipped and summed (one pass; memory B x parameters). ``"reweight"``: per-record gradient norms
-        first (reduced as they are formed), then one batched backward pass of the loss reweighted by
-        ``min(1, C / norm)``, which gives the same sum by linearity without keeping B gradient copies.
-        ``"auto"`` (default) reweights when B x parameters exceeds ``2**22``, where memory traffic dominates.
+    :param clipping: how the clipped sum is computed; all give the same sum. ``"materialize"``: per-record
+        gradients by ``vmap``, clipped and summed (one pass; memory B x parameters). ``"ghost"``: one pass
+        in which each weight of a matrix product (found in the traced loss, see :mod:`d3pext.ghost`) keeps
+        only the record's inputs ``A`` and output gradients ``G`` of its product; its per-record norm is
+        ``|A^T G|`` by Gram matrices and its clipped sum ``sum_i w_i A_i^T G_i``; other leaves get per-record
+        gradients. ``"reweight"``: ghost norms first, then one batched backward pass of the loss weighted by
+        ``min(1, C / norm)`` (two passes; nothing per record is kept). ``"auto"`` (default) is ``"ghost"``
+        when B x parameters exceeds ``2**22``, where memory traffic dominates, else ``"materialize"``.
 
     **Example**
 
@@ -294,8 +298,8 @@ class DPSVI(SVI):
             raise ValueError(f"sampler must be 'fixed' or 'poisson', got {sampler!r}")
         if num_obs_total is not None and (int(num_obs_total) != num_obs_total or num_obs_total < 1):
             raise ValueError(f"num_obs_total must be a positive integer, got {num_obs_total}")
-        if clipping not in ("auto", "materialize", "reweight"):
-            raise ValueError(f"clipping must be 'auto', 'materialize' or 'reweight', got {clipping!r}")
+        if clipping not in ("auto", "materialize", "ghost", "reweight"):
+            raise ValueError(f"clipping must be 'auto', 'materialize', 'ghost' or 'reweight', got {clipping!r}")
         self.clipping = clipping
         self.clipping_threshold = clipping_threshold
         self.dp_scale = dp_scale
@@ -558,10 +562,9 @@ class DPSVI(SVI):
         else:
             per_record = lambda fn, p, recs, a: jax.vmap(lambda rec, ra: fn(p, elbo_key, ra, kwargs, rec))(recs, a)
         c = self.clipping_threshold
-        if self._reweights(params):
-            clipped, losses, mask = self._reweighted_sum(params, args, records, mask, per_record, stable)
-        else:
-            clipped, losses, mask = self._materialized_sum(params, args, records, mask, per_record, stable)
+        clipped_sum = {"materialize": self._materialized_sum, "ghost": self._ghost_sum,
+                       "reweight": self._reweighted_sum}[self._clipping_mode(params)]
+        clipped, losses, mask = clipped_sum(params, args, records, mask, per_record, stable)
         leaves, treedef = jax.tree.flatten(clipped)
         noise_keys = random.split(noise_key, len(leaves))
         scale = structure.num_records / structure.batch_size
@@ -571,12 +574,12 @@ class DPSVI(SVI):
         loss = scale * jnp.sum(jnp.where(mask, losses, 0.0)) + global_loss
         return loss, grads
 
-    def _reweights(self, params) -> bool:
-        """Whether the clipped sum is computed by reweighting (decided at trace time from static shapes)."""
+    def _clipping_mode(self, params) -> str:
+        """How the clipped sum is computed (decided at trace time from static shapes)."""
         if self.clipping != "auto":
-            return self.clipping == "reweight"
+            return self.clipping
         num_params = sum(int(np.prod(jnp.shape(leaf))) for leaf in jax.tree.leaves(params))
-        return self.structure.batch_size * num_params > 2**22
+        return "ghost" if self.structure.batch_size * num_params > 2**22 else "materialize"
 
     def _materialized_sum(self, params, args, records, mask, per_record, stable):
         """Clipped sum from materialized per-record gradients (B copies of the parameter tree)."""
@@ -591,6 +594,17 @@ class DPSVI(SVI):
         weights = jnp.where(mask, c / jnp.maximum(_tree_norms(grads), c), 0.0)
         return jax.tree.map(lambda g: jnp.tensordot(weights, g, axes=1), grads), losses, mask
 
+    def _ghost_sum(self, params, args, records, mask, per_record, stable):
+        """Clipped sum in one pass: ghost norms, then ``sum_i w_i A_i^T G_i`` for the weights of matrix
+        products and ``sum_i w_i grad_i`` for the other leaves (:class:`d3pext.ghost.PerRecordGradients`)."""
+        record_grads = PerRecordGradients(self._record_loss)
+        losses, norms, parts = per_record(record_grads, params, records, args)
+        if stable:
+            mask = mask & jnp.isfinite(norms) & jnp.isfinite(losses)
+        c = self.clipping_threshold
+        weights = jnp.where(mask, c / jnp.maximum(jnp.where(mask, norms, c), c), 0.0)
+        return record_grads.weighted_sum(parts, weights, mask), losses, mask
+
     def _reweighted_sum(self, params, args, records, mask, per_record, stable):
         """Clipped sum as the gradient of sum_i w_i loss_i, w_i = min(1, C / |grad loss_i|) held fixed.
 
@@ -600,11 +614,7 @@ class DPSVI(SVI):
         non-finite record's NaN never reaches the sum).
         """
 
-        def loss_and_norm(p, key, a, kw, rec):
-            loss, grad = jax.value_and_grad(self._record_loss)(p, key, a, kw, rec)
-            return loss, jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grad)))
-
-        losses, norms = per_record(loss_and_norm, params, records, args)
+        losses, norms = per_record(value_and_grad_norm(self._record_loss), params, records, args)
         if stable:
             mask = mask & jnp.isfinite(norms) & jnp.isfinite(losses)
         c = self.clipping_threshold

@@ -332,14 +332,15 @@ def test_poisson_sampler_plate_mode(data):
 
 
 @pytest.mark.parametrize("form", ["poisson", "batch"])
-def test_reweighted_clipping_equals_materialized(data, form):
-    """clipping='reweight' (norms, then one weighted backward pass) gives the materialized clipped sum,
-    including Poisson padding slots and, under stable_update, records with non-finite gradients."""
+def test_ghost_and_reweighted_clipping_equal_materialized(data, form):
+    """clipping='ghost' (one pass) and 'reweight' (norms, then one weighted backward pass) give the
+    materialized clipped sum, including Poisson padding slots and, under stable_update, records with
+    non-finite gradients. (Logistic regression has no ghost weights: this checks the direct leaves.)"""
     x, y = data
     y_bad = y.at[:700].set(jnp.nan)  # about a third of every batch is non-finite
     step_key = jax.random.key(7)
     outputs = {}
-    for clipping in ("materialize", "reweight"):
+    for clipping in ("materialize", "ghost", "reweight"):
         if form == "batch":
             model, args, bad = logistic_batch, (x[:100], y[:100]), (x[:100], y_bad[:100])
             svi = DPSVI(model, AutoDiagonalNormal(model), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=0.3,
@@ -351,19 +352,49 @@ def test_reweighted_clipping_equals_materialized(data, form):
         state = svi.init(jax.random.key(1), *args)
         params = jax.tree.map(lambda p: p + 0.3, svi.optim.get_params(state.optim_state))
         outputs[clipping] = jax.jit(lambda p: svi._private_grad(p, step_key, bad, {}, True))(params)
-    (loss_m, grads_m), (loss_r, grads_r) = outputs["materialize"], outputs["reweight"]
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads_r))
-    np.testing.assert_allclose(loss_r, loss_m, rtol=1e-5)
-    for name in grads_m:
-        np.testing.assert_allclose(grads_r[name], grads_m[name], rtol=2e-4, atol=1e-5)
+    loss_m, grads_m = outputs["materialize"]
+    for clipping in ("ghost", "reweight"):
+        loss_r, grads_r = outputs[clipping]
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads_r))
+        np.testing.assert_allclose(loss_r, loss_m, rtol=1e-5)
+        for name in grads_m:
+            np.testing.assert_allclose(grads_r[name], grads_m[name], rtol=2e-4, atol=1e-5)
+
+
+def test_ghost_clipping_on_a_vae_equals_materialized():
+    """On a small VAE (encoder and decoder kernels are ghost weights; two ELBO particles, so each
+    record contributes two rows to the decoder's products), with Poisson padding and non-finite
+    records, the one-pass ghost sum equals the materialized clipped sum."""
+    from d3pext.ghost import PerRecordGradients
+    from d3pext.models.vae import simulate_binary_images, vae_guide, vae_model
+
+    x = simulate_binary_images(jax.random.key(0), 200, dim=12)
+    x_bad = x.at[:40].set(jnp.nan)
+    kw = dict(batch_size=20, hidden_dim=6, latent_dim=3)
+    outputs = {}
+    for clipping in ("materialize", "ghost"):  # "reweight" shares the ghost norms (checked above)
+        svi = DPSVI(vae_model, vae_guide, numpyro.optim.Adam(0.1), Trace_ELBO(num_particles=2),
+                    clipping_threshold=2.0, dp_scale=0.5, sampler="poisson", clipping=clipping)
+        state = svi.init(jax.random.key(1), x, **kw)
+        params = svi.optim.get_params(state.optim_state)
+        outputs[clipping] = jax.jit(lambda p: svi._private_grad(p, jax.random.key(7), (x_bad,), kw, True))(params)
+    # the ghost weights are the five Dense kernels (the biases get per-record gradients)
+    per_record = PerRecordGradients(svi._record_loss)
+    per_record(params, jax.random.key(0), (x,), kw, (jnp.array(0), jnp.array(0)))
+    assert per_record.num_ghost == 5
+    (loss_m, grads_m), (loss_g, grads_g) = outputs["materialize"], outputs["ghost"]
+    np.testing.assert_allclose(loss_g, loss_m, rtol=1e-5)
+    for g_g, g_m in zip(jax.tree.leaves(grads_g), jax.tree.leaves(grads_m)):
+        assert bool(jnp.all(jnp.isfinite(g_g)))
+        np.testing.assert_allclose(g_g, g_m, rtol=2e-4, atol=1e-5)
 
 
 def test_clipping_choice_is_validated_and_auto_picks_by_size(data):
     with pytest.raises(ValueError, match="clipping"):
         DPSVI(logistic, AutoDelta(logistic), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1.0,
-              dp_scale=1.0, clipping="ghost")
+              dp_scale=1.0, clipping="ghosts")
     x, y = data
     svi = DPSVI(logistic, AutoDelta(logistic), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
     svi.init(jax.random.key(0), x, y)
-    assert not svi._reweights({"w": jnp.zeros(3)})  # 100 x 3 values: materialize
-    assert svi._reweights({"w": jnp.zeros((400, 784))})  # 100 x 313,600 values: reweight
+    assert svi._clipping_mode({"w": jnp.zeros(3)}) == "materialize"  # 100 x 3 values
+    assert svi._clipping_mode({"w": jnp.zeros((400, 784))}) == "ghost"  # 100 x 313,600 values
