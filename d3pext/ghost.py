@@ -247,8 +247,8 @@ def value_and_grad_norm(fun: Callable[..., jax.Array]) -> Callable[..., tuple[ja
     >>> import jax, jax.numpy as jnp
     >>> def loss(p, x):  # a one-hidden-layer network on one record
     ...     return jnp.sum(jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"])
-    >>> p = {"w1": jnp.ones((784, 64)) / 30, "b1": jnp.zeros(64), "w2": jnp.ones((64, 3))}
-    >>> x = jax.random.normal(jax.random.key(0), (128, 784))
+    >>> p = {"w1": jnp.ones((50, 16)) / 8, "b1": jnp.zeros(16), "w2": jnp.ones((16, 3))}
+    >>> x = jax.random.normal(jax.random.key(0), (32, 50))
     >>> value, norm = jax.vmap(value_and_grad_norm(loss), (None, 0))(p, x)
     >>> sq_norm = lambda g: sum(jnp.sum(v**2) for v in jax.tree.leaves(g))
     >>> direct = jax.vmap(lambda x: jnp.sqrt(sq_norm(jax.grad(loss)(p, x))))(x)

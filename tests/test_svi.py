@@ -361,16 +361,49 @@ def test_ghost_and_reweighted_clipping_equal_materialized(data, form):
             np.testing.assert_allclose(grads_r[name], grads_m[name], rtol=2e-4, atol=1e-5)
 
 
+def _small_vae():
+    from d3pext.models.vae import simulate_binary_images, vae_guide, vae_model
+
+    x = simulate_binary_images(jax.random.key(0), 200, dim=12)
+    return vae_model, vae_guide, x, dict(batch_size=20, hidden_dim=6, latent_dim=3)
+
+
+def test_ghost_norms_and_sum_of_a_vae_record_loss():
+    """The VAE's per-record ELBO term (2 particles, so each record gives the decoder's products two
+    rows): the five Dense kernels are ghost weights, and the norms and the weighted sum equal those of
+    materialized per-record gradients. (The whole private step is compared in the slow twin below.)"""
+    from d3pext.ghost import PerRecordGradients
+
+    vae_model, vae_guide, x, kw = _small_vae()
+    svi = DPSVI(vae_model, vae_guide, numpyro.optim.Adam(0.1), Trace_ELBO(num_particles=2),
+                clipping_threshold=2.0, dp_scale=0.5)
+    params = svi.optim.get_params(svi.init(jax.random.key(1), x, **kw).optim_state)
+    key, idx = jax.random.key(3), jnp.arange(20)
+    per_record = PerRecordGradients(svi._record_loss)
+
+    @jax.jit
+    def both(p):
+        ghost = jax.vmap(lambda r: per_record(p, key, (x,), kw, r))((idx, idx))
+        grads = jax.vmap(lambda r: jax.grad(svi._record_loss)(p, key, (x,), kw, r))((idx, idx))
+        return ghost, grads
+
+    (_, norms, parts), grads = both(params)
+    assert per_record.num_ghost == 5  # the biases get per-record gradients
+    direct = jnp.sqrt(sum(jnp.sum(g.reshape(20, -1) ** 2, 1) for g in jax.tree.leaves(grads)))
+    np.testing.assert_allclose(norms, direct, rtol=1e-5)
+    w = jnp.minimum(1.0, 2.0 / norms)
+    assert bool(jnp.any(w < 1))
+    for got, g in zip(jax.tree.leaves(per_record.weighted_sum(parts, w)), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(got, jnp.tensordot(w, g, 1), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_ghost_clipping_on_a_vae_equals_materialized():
     """On a small VAE (encoder and decoder kernels are ghost weights; two ELBO particles, so each
     record contributes two rows to the decoder's products), with Poisson padding and non-finite
     records, the one-pass ghost sum equals the materialized clipped sum."""
-    from d3pext.ghost import PerRecordGradients
-    from d3pext.models.vae import simulate_binary_images, vae_guide, vae_model
-
-    x = simulate_binary_images(jax.random.key(0), 200, dim=12)
+    vae_model, vae_guide, x, kw = _small_vae()
     x_bad = x.at[:40].set(jnp.nan)
-    kw = dict(batch_size=20, hidden_dim=6, latent_dim=3)
     outputs = {}
     for clipping in ("materialize", "ghost"):  # "reweight" shares the ghost norms (checked above)
         svi = DPSVI(vae_model, vae_guide, numpyro.optim.Adam(0.1), Trace_ELBO(num_particles=2),
@@ -378,10 +411,6 @@ def test_ghost_clipping_on_a_vae_equals_materialized():
         state = svi.init(jax.random.key(1), x, **kw)
         params = svi.optim.get_params(state.optim_state)
         outputs[clipping] = jax.jit(lambda p: svi._private_grad(p, jax.random.key(7), (x_bad,), kw, True))(params)
-    # the ghost weights are the five Dense kernels (the biases get per-record gradients)
-    per_record = PerRecordGradients(svi._record_loss)
-    per_record(params, jax.random.key(0), (x,), kw, (jnp.array(0), jnp.array(0)))
-    assert per_record.num_ghost == 5
     (loss_m, grads_m), (loss_g, grads_g) = outputs["materialize"], outputs["ghost"]
     np.testing.assert_allclose(loss_g, loss_m, rtol=1e-5)
     for g_g, g_m in zip(jax.tree.leaves(grads_g), jax.tree.leaves(grads_m)):
