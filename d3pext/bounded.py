@@ -600,13 +600,8 @@ def _build(pm, naive: bool) -> KazanReiterGibbs:
         raise NotApplicable(
             f"Kazan & Reiter needs normal records, {mean_info.source!r} is {type(record).__name__}."
         )
-    specs = pm.declarations(PRIOR_KEY)
-    if len(specs) != 1:
-        raise NotApplicable(
-            "declare the mean and variance with d3pext.bounded.bounded_gaussian_prior(...) "
-            f"(found {len(specs)} declarations)."
-        )
-    spec = specs[0]
+    spec = pm.declaration(
+        PRIOR_KEY, "declare the mean and variance with d3pext.bounded.bounded_gaussian_prior(...)")
     other = set(pm.latent) - {spec.mean_site, spec.var_site, mean_info.source}
     if other:
         raise NotApplicable(f"latent sites {sorted(other)} have no Kazan & Reiter update.")

@@ -878,13 +878,8 @@ class BernsteinSheldonRegression(ConstrainedGibbsKernel):
 def _build(pm, naive: bool) -> BernsteinSheldonRegression:
     from d3pext.handlers.posterior import NotApplicable
 
-    specs = pm.declarations(SPEC_KEY)
-    if len(specs) != 1:
-        raise NotApplicable(
-            "declare the coefficients and variance with d3pext.regression.regression_prior(...) "
-            f"(found {len(specs)} declarations)."
-        )
-    spec = specs[0]
+    spec = pm.declaration(
+        SPEC_KEY, "declare the coefficients and variance with d3pext.regression.regression_prior(...)")
     infos = {}
     for name, shape in ((spec.stats_release, (5,)), (spec.moments_release, (4,))):
         if name not in pm.releases:

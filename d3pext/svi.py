@@ -594,15 +594,20 @@ class DPSVI(SVI):
         weights = jnp.where(mask, c / jnp.maximum(_tree_norms(grads), c), 0.0)
         return jax.tree.map(lambda g: jnp.tensordot(weights, g, axes=1), grads), losses, mask
 
+    def _clip_weights(self, norms, losses, mask, stable):
+        """``min(1, C / norm)`` per record, 0 outside the mask (which, under ``stable``, also drops
+        records whose loss or norm is not finite); returns the weights and the mask."""
+        if stable:
+            mask = mask & jnp.isfinite(norms) & jnp.isfinite(losses)
+        c = self.clipping_threshold
+        return jnp.where(mask, c / jnp.maximum(jnp.where(mask, norms, c), c), 0.0), mask
+
     def _ghost_sum(self, params, args, records, mask, per_record, stable):
         """Clipped sum in one pass: ghost norms, then ``sum_i w_i A_i^T G_i`` for the weights of matrix
         products and ``sum_i w_i grad_i`` for the other leaves (:class:`d3pext.ghost.PerRecordGradients`)."""
         record_grads = PerRecordGradients(self._record_loss)
         losses, norms, parts = per_record(record_grads, params, records, args)
-        if stable:
-            mask = mask & jnp.isfinite(norms) & jnp.isfinite(losses)
-        c = self.clipping_threshold
-        weights = jnp.where(mask, c / jnp.maximum(jnp.where(mask, norms, c), c), 0.0)
+        weights, mask = self._clip_weights(norms, losses, mask, stable)
         return record_grads.weighted_sum(parts, weights, mask), losses, mask
 
     def _reweighted_sum(self, params, args, records, mask, per_record, stable):
@@ -615,10 +620,7 @@ class DPSVI(SVI):
         """
 
         losses, norms = per_record(value_and_grad_norm(self._record_loss), params, records, args)
-        if stable:
-            mask = mask & jnp.isfinite(norms) & jnp.isfinite(losses)
-        c = self.clipping_threshold
-        weights = jnp.where(mask, c / jnp.maximum(jnp.where(mask, norms, c), c), 0.0)  # constants of the second pass
+        weights, mask = self._clip_weights(norms, losses, mask, stable)  # constants of the second pass
         first = jnp.argmax(mask)
         substitute_ = lambda t: jax.tree.map(lambda v: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (v.ndim - 1)), v, v[first]), t)
         if self.structure.plate_mode:

@@ -104,13 +104,17 @@ class PrivateModel:
             if site["type"] == "sample" and not site["is_observed"]
         )
 
-    def declarations(self, key: str) -> list:
-        """The values that sample sites declare under ``infer[key]`` (e.g. a backend's prior spec)."""
-        return [
+    def declaration(self, key: str, how: str):
+        """The one value that sample sites declare under ``infer[key]`` (e.g. a backend's prior
+        spec); :class:`NotApplicable` saying ``how`` to declare it when there is none or several."""
+        found = [
             site["infer"][key]
             for site in self.trace.values()
             if site["type"] == "sample" and key in (site.get("infer") or {})
         ]
+        if len(found) != 1:
+            raise NotApplicable(f"{how} (found {len(found)} declarations).")
+        return found[0]
 
 
 Backend = Callable[[PrivateModel, dict], MCMCKernel]
