@@ -1,0 +1,1 @@
+"""Releases: the mechanisms a curator privatizes statistics with, and what a release carries."""
