@@ -31,8 +31,8 @@ import jax
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 
-import d3pext.bounded  # noqa: E402,F401
-from d3pext.bounded import FlatPrior  # noqa: E402
+import d3pext.inference.bounded  # noqa: E402,F401
+from d3pext.inference.bounded import FlatPrior  # noqa: E402
 from d3pext.handlers import sample_releases  # noqa: E402
 from d3pext.models.bounded_gaussian import BLOOD_LEAD, private_bounded_gaussian  # noqa: E402
 

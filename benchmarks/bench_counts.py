@@ -22,10 +22,11 @@ import numpy as np
 import jax
 from jax import lax, random
 
-import d3pext.counts  # noqa: F401  (registers the count backends)
+import d3pext.inference.counts  # noqa: F401  (registers the count backends)
 from d3pext.distributions import sample_bessel
 from d3pext.handlers import make_release
-from d3pext.handlers.posterior import RELEASES_KWARG, PrivatePosterior
+from d3pext.inference.structure import RELEASES_KWARG
+from d3pext.handlers.posterior import PrivatePosterior
 from d3pext.models.poisson_factorization import (
     private_community_model,
     private_topic_model,

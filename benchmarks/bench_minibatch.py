@@ -4,7 +4,7 @@
 
 Batch of B distinct indices out of N (B = 100 and 1000; N = 1e4, 1e6, 1e7):
 
-- ``feistel``: ``d3pext.minibatch.feistel_indices`` (jitted), O(B);
+- ``feistel``: ``d3pext.training.minibatch.feistel_indices`` (jitted), O(B);
 - ``choice``: ``jax.random.choice(key, N, (B,), replace=False)`` (jitted; a full shuffle,
   so timed once per N, with a single call for N >= 1e6);
 - ``permutation``: ``jax.random.permutation(key, N)[:B]`` (jitted; likewise);
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from d3pext.minibatch import PoissonSampler, feistel_indices
+from d3pext.training.minibatch import PoissonSampler, feistel_indices
 from d3pext.prng import chacha_key
 
 SIZES = (10**4, 10**6, 10**7)

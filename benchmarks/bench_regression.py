@@ -33,7 +33,7 @@ import jax
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 
-import d3pext.regression as R  # noqa: E402  (registers the backend)
+import d3pext.inference.regression as R  # noqa: E402  (registers the backend)
 from d3pext.handlers import make_release, sample_releases  # noqa: E402
 from d3pext.models.constrained_regression import (  # noqa: E402
     BROWNLEE_LIKE,

@@ -22,10 +22,10 @@ import jax
 from jax import random
 import jax.numpy as jnp
 
-import d3pext.sbi  # noqa: F401  (registers sppe / sple)
-from d3pext import rqmc
+import d3pext.simulation.sbi  # noqa: F401  (registers sppe / sple)
+from d3pext.simulation import rqmc
 from d3pext.handlers import private_posterior
-from d3pext.mechanisms import BinomialMechanism, LaplaceMechanism
+from d3pext.releases.mechanisms import BinomialMechanism, LaplaceMechanism
 from d3pext.models.linear_regression import PAPER_S_DP, private_linear_regression
 
 
@@ -67,8 +67,8 @@ def profile(args) -> None:
     import equinox as eqx
     import paramax
 
-    from d3pext.flows import _partition, conditional_spline_flow
-    from d3pext.sbi import _make_atomic_loss, _sple_loss, _sppe_mle_loss
+    from d3pext.simulation.flows import _partition, conditional_spline_flow
+    from d3pext.simulation.sbi import _make_atomic_loss, _sple_loss, _sppe_mle_loss
 
     B, M, d, r, atoms = 100, args.num_points, 3, 9, 10
     k1, k2, k3 = random.split(random.key(0), 3)

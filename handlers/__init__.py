@@ -1,39 +1,32 @@
-"""Effect handlers that put privacy into NumPyro models: ``privatize`` and ``private_posterior``."""
+"""Effect handlers that put privacy into NumPyro models.
 
-from .posterior import (
-    NotApplicable,
-    PrivateModel,
-    PrivatePosterior,
-    augment,
-    available_methods,
-    inspect_model,
-    private_posterior,
-    register_backend,
-    register_fitter,
-    sample_releases,
-)
-from .privatize import ReleaseInfo, curator_key, make_release, privatize, release_sites
+- :mod:`~d3pext.handlers.privatize`: ``privatize`` (insert a release into a model, as a wrapper or
+  a ``with`` block), ``privatize_counts`` (locally private counts) and the curator's
+  ``make_release``;
+- :mod:`~d3pext.handlers.posterior`: ``private_posterior`` (inference from releases by the
+  registered backends, :mod:`d3pext.inference`) and ``sample_releases`` (many releases in one
+  compiled call).
+"""
+
+from d3pext.handlers.posterior import PrivatePosterior, private_posterior, sample_releases
+from d3pext.handlers.privatize import curator_key, make_release, privatize, privatize_counts
+from d3pext.inference.registry import available_methods, register_backend
+from d3pext.inference.structure import NotApplicable, PrivateModel, inspect_model
+from d3pext.releases.info import ReleaseInfo, release_sites
 
 __all__ = [
     "NotApplicable",
     "PrivateModel",
     "PrivatePosterior",
     "ReleaseInfo",
-    "augment",
     "available_methods",
     "curator_key",
     "inspect_model",
     "make_release",
     "private_posterior",
     "privatize",
+    "privatize_counts",
     "register_backend",
-    "register_fitter",
     "release_sites",
     "sample_releases",
 ]
-
-# backends of later methods register themselves on import
-import d3pext.bounded  # noqa: E402,F401  (Kazan & Reiter bounded Gaussian)
-import d3pext.counts  # noqa: E402,F401  (Schein et al. Bessel augmentation for counts)
-import d3pext.sbi  # noqa: E402,F401  (Xiong, Ju & Zhang "sppe" and "sple"; flowjax imported on use)
-import d3pext.regression  # noqa: E402,F401  (Bernstein & Sheldon regression with Kazan & Reiter constraints)

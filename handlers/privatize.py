@@ -13,9 +13,8 @@ model that :func:`~d3pext.handlers.private_posterior` works with.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
 import math
 from typing import Any, Literal
 import warnings
@@ -27,52 +26,20 @@ import jax.numpy as jnp
 
 import numpyro
 from numpyro.handlers import seed, substitute, trace
-from numpyro.primitives import CondIndepStackFrame, Messenger
+from numpyro.primitives import Messenger
 
-from d3pext.expfam import family_of, record_distribution
+from d3pext.distributions.expfam import family_of, record_distribution
+from d3pext.prng import secure_key
+from d3pext.releases.counts import check_counts
+from d3pext.releases.info import ReleaseInfo, release_sites
 
-__all__ = ["ReleaseInfo", "curator_key", "make_release", "privatize", "release_sites"]
+__all__ = ["curator_key", "make_release", "privatize", "privatize_counts"]
 
 StatisticKind = Literal["sufficient", "mean", "records", "sample_mean", "sample_variance"]
 _KINDS = ("sufficient", "mean", "records", "sample_mean", "sample_variance")
 # statistics of bounded scalar records (Kazan & Reiter, seed 001): records are clipped into the
 # bounds, the sensitivities are (b - a) / n and (b - a)^2 / n (Du et al. 2020, Lemmas 11-12)
 _BOUNDED_KINDS = ("sample_mean", "sample_variance")
-
-
-@dataclass(frozen=True)
-class ReleaseInfo:
-    """Metadata of one release site (``site["infer"]["privatize"]``).
-
-    :param name: the release site.
-    :param source: the confidential sample site.
-    :param statistic: ``"sufficient"``, ``"mean"``, ``"records"`` or ``"custom"``.
-    :param mechanism: the mechanism, with its sensitivity set.
-    :param bounds: declared bounds ``(a, b)`` of the records, or ``None``.
-    :param bounds_method: ``"truncate"`` (records outside are dropped, Bernstein & Sheldon) or
-        ``"clamp"`` (records are clipped into the bounds).
-    :param num_records: number of records of the source site.
-    :param stat_shape: shape of the statistic of one record (or of the custom statistic).
-    :param plates: the source site's plates (the release of ``"records"`` lives in them).
-    """
-
-    name: str
-    source: str
-    statistic: str
-    mechanism: Any
-    bounds: tuple[float, float] | None
-    bounds_method: str
-    num_records: int
-    stat_shape: tuple[int, ...]
-    plates: tuple[CondIndepStackFrame, ...]
-
-    @property
-    def sensitivity(self) -> float:
-        return self.mechanism.sensitivity
-
-    def cost(self):
-        """The privacy cost of the release (the mechanism's, whatever the statistic)."""
-        return self.mechanism.cost()
 
 
 def _is_concrete(x: Any) -> bool:
@@ -84,11 +51,13 @@ class privatize(Messenger):
 
     The release is emitted after the model body as the sample site ``name`` (default
     ``f"{site}_dp"``), outside the model's plates except for ``statistic="records"``.
-    Nest several ``privatize`` handlers for several releases.
+    Like every NumPyro handler it works as a wrapper, ``privatize(model, site=..., ...)``, and as
+    a ``with`` block around the model call, which emits the release when the block exits. Nest
+    several ``privatize`` handlers for several releases.
 
     :param fn: the model.
     :param str site: the confidential sample site (records in a plate).
-    :param mechanism: a mechanism of :mod:`d3pext.mechanisms`; when its sensitivity is ``None``
+    :param mechanism: a mechanism of :mod:`d3pext.releases.mechanisms`; when its sensitivity is ``None``
         it is derived from the family of the records and the bounds.
     :param statistic: ``"sufficient"`` (sum of the sufficient statistics ``t(x_i)``),
         ``"mean"`` (that sum over ``n``), ``"records"`` (each ``t(x_i)``: local privacy),
@@ -106,7 +75,7 @@ class privatize(Messenger):
     >>> import jax.numpy as jnp
     >>> import numpyro, numpyro.distributions as dist
     >>> from numpyro.handlers import seed, substitute, trace
-    >>> from d3pext.mechanisms import LaplaceMechanism
+    >>> from d3pext.releases.mechanisms import LaplaceMechanism
     >>> def model(n, x=None):
     ...     theta = numpyro.sample("theta", dist.Beta(1.0, 1.0))
     ...     with numpyro.plate("records", n):
@@ -170,19 +139,27 @@ class privatize(Messenger):
         if msg["type"] == "sample" and msg["name"] == self.site:
             self._captured = msg
 
+    def __enter__(self) -> "privatize":
+        self._captured = None
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        super().__exit__(exc_type, exc_value, traceback)
+        msg, self._captured = self._captured, None
+        if exc_type is not None:
+            return
+        if msg is None:
+            raise ValueError(f"privatize: the model has no sample site {self.site!r}.")
+        # emitted after the block, outside this handler but inside the enclosing ones
+        self._emit(msg)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fn is None:  # used as a decorator
             (fn,) = args
             self.fn = fn
             return self
-        self._captured = None
         with self:
-            out = self.fn(*args, **kwargs)
-        msg, self._captured = self._captured, None
-        if msg is None:
-            raise ValueError(f"privatize: the model has no sample site {self.site!r}.")
-        self._emit(msg)
-        return out
+            return self.fn(*args, **kwargs)
 
     def _statistic(self, msg: dict) -> tuple[jax.Array, float | None, int, tuple[int, ...]]:
         value = msg["value"]
@@ -272,13 +249,63 @@ class privatize(Messenger):
             )
 
 
-def release_sites(model_trace: Mapping[str, dict]) -> dict[str, ReleaseInfo]:
-    """The release sites of a trace of a privatized model, by name."""
-    return {
-        name: site["infer"]["privatize"]
-        for name, site in model_trace.items()
-        if site["type"] == "sample" and "privatize" in site.get("infer", {})
-    }
+class privatize_counts(privatize):
+    """Release each count of the confidential site ``site`` through a geometric mechanism (local
+    privacy; the release ``f"{site}_dp"`` lives in the site's plates, one noisy count per count).
+
+    Like ``privatize(..., statistic="records")`` for count sites whose records need not be
+    identically distributed (Poisson factorization: a rate per count) and whose range is
+    unbounded: the privacy unit is set by the mechanism's sensitivity ``N`` (Theorem 1), not by
+    bounds on the counts.
+
+    :param fn: the model; ``site`` must be a count site (Poisson).
+    :param site: the confidential count site.
+    :param mechanism: :class:`~d3pext.releases.mechanisms.GeometricMechanism` (e.g.
+        :func:`~d3pext.releases.counts.limited_precision_mechanism`) or
+        :class:`~d3pext.releases.counts.HeterogeneousGeometricMechanism`.
+
+    >>> import jax.numpy as jnp
+    >>> import numpyro, numpyro.distributions as dist
+    >>> from d3pext.releases.counts import limited_precision_mechanism
+    >>> def model(counts=None):
+    ...     rate = numpyro.sample("rate", dist.Gamma(1.0, 0.1))
+    ...     with numpyro.plate("cells", 4):
+    ...         numpyro.sample("y", dist.Poisson(rate), obs=counts)
+    >>> private = privatize_counts(model, site="y", mechanism=limited_precision_mechanism(1.0, N=2))
+    >>> make_release(private, jnp.array([3, 0, 7, 1]), rng_key=0)["y_dp"].shape
+    (4,)
+    """
+
+    def __init__(
+        self, fn: Callable | None = None, *, site: str, mechanism: Any, name: str | None = None
+    ) -> None:
+        if getattr(mechanism, "kind", None) != "geometric" or not hasattr(mechanism, "log_alpha"):
+            raise ValueError(
+                "privatize_counts needs a geometric mechanism (GeometricMechanism, "
+                f"HeterogeneousGeometricMechanism), got {mechanism!r}."
+            )
+        n = mechanism.sensitivity
+        if n is None or not (n >= 1 and float(n) == int(n)):
+            raise ValueError(
+                f"the mechanism's sensitivity is N, the L1 neighbourhood of an observation: a "
+                f"positive integer, got {n!r}."
+            )
+        super().__init__(fn, site=site, mechanism=mechanism, statistic="records", name=name)
+
+    def _statistic(self, msg: dict):
+        value = msg["value"]
+        if msg["is_observed"] and not isinstance(value, jax.core.Tracer):
+            check_counts(value, f"The confidential counts at site {self.site!r}")
+        la = np.shape(self.mechanism.log_alpha)
+        try:
+            if np.broadcast_shapes(la, jnp.shape(value)) != jnp.shape(value):
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"The mechanism's alpha has shape {la}, which does not broadcast to the counts of "
+                f"site {self.site!r} with shape {jnp.shape(value)}."
+            ) from None
+        return value, None, int(np.prod(jnp.shape(value))), ()
 
 
 def curator_key(rng_key: jax.Array | int | None = None) -> jax.Array:
@@ -288,8 +315,6 @@ def curator_key(rng_key: jax.Array | int | None = None) -> jax.Array:
     >>> k2 = curator_key(0)  # reproducible, for tests and examples only
     """
     if rng_key is None:
-        from d3pext.prng import secure_key
-
         return secure_key()
     if isinstance(rng_key, int):
         return jax.random.key(rng_key)
@@ -319,7 +344,7 @@ def make_release(
     >>> import jax.numpy as jnp
     >>> import numpyro, numpyro.distributions as dist
     >>> from d3pext.accountants.ledger import PrivacyLedger
-    >>> from d3pext.mechanisms import LaplaceMechanism
+    >>> from d3pext.releases.mechanisms import LaplaceMechanism
     >>> def model(n, x=None):
     ...     theta = numpyro.sample("theta", dist.Beta(1.0, 1.0))
     ...     with numpyro.plate("records", n):

@@ -5,11 +5,11 @@ releases the sample mean and the sample variance through Laplace mechanisms (``e
 ``epsilon2``; sensitivities ``(b - a) / n`` and ``(b - a)^2 / n``). The analyst's prior is a
 normal-inverse-gamma or the flat prior, with or without the constraints implied by the bounds.
 ``private_posterior(..., method="gibbs")`` runs Kazan & Reiter's exact Gibbs sampler
-(:class:`d3pext.bounded.KazanReiterGibbs`).
+(:class:`d3pext.inference.bounded.KazanReiterGibbs`).
 
 >>> import jax.numpy as jnp
 >>> from jax import random
->>> from d3pext.bounded import FlatPrior
+>>> from d3pext.inference.bounded import FlatPrior
 >>> from d3pext.handlers import make_release, private_posterior
 >>> model = private_bounded_gaussian(0.25, 0.25, (0.0, 100.0), FlatPrior(), constrained=True)
 >>> release = make_release(model, 43, jnp.linspace(10.0, 60.0, 43), rng_key=0)
@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
 
-from d3pext.bounded import FlatPrior, NormalInverseGamma, Prior, bounded_gaussian_prior
+from d3pext.inference.bounded import FlatPrior, NormalInverseGamma, Prior, bounded_gaussian_prior
 from d3pext.handlers.privatize import privatize
-from d3pext.mechanisms import LaplaceMechanism
+from d3pext.releases.mechanisms import LaplaceMechanism
 
 __all__ = ["BLOOD_LEAD", "bounded_gaussian_model", "private_bounded_gaussian"]
 

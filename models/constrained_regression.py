@@ -5,7 +5,7 @@ Records ``(x_i, y_i)`` (one sample site ``"records"`` of shape ``(n, 2)``): ``x_
 bounds ``[a_x, b_x]`` (uniform placeholder: the sampler uses only the covariate's moments),
 ``y_i | x_i ~ N(beta0 + beta1 x_i, sigma^2)``. The curator **clips** both into their bounds
 (so the sensitivities hold for any data), rescales to ``[0, 1]`` and releases two vectors with
-the Laplace mechanism (:mod:`d3pext.regression`):
+the Laplace mechanism (:mod:`d3pext.inference.regression`):
 
 - ``"records_dp"``: ``S = (sum u, sum u^2, sum v, sum u v, sum v^2)``, sensitivity 5,
   epsilon ``(1 - x_moment_share) epsilon``;
@@ -22,7 +22,6 @@ which 5 are power sums; here the public ``n`` (the power sum of order 0 and the 
 of ``X'X``) is not released, so the 9 numbers released share the budget by that ratio.
 
 >>> import jax
->>> import d3pext.regression  # registers the backend (until d3pext.handlers imports it)
 >>> from d3pext.handlers import make_release, private_posterior
 >>> model = private_constrained_regression(46, 1.1, (0.0, 100.0), (0.0, 150.0))
 >>> records = simulate_drinking_cirrhosis(jax.random.key(0))
@@ -47,13 +46,13 @@ import jax.numpy as jnp
 import numpyro
 
 from d3pext.handlers.privatize import privatize
-from d3pext.mechanisms import LaplaceMechanism
-from d3pext.regression import (
+from d3pext.releases.mechanisms import LaplaceMechanism
+from d3pext.validation import check_bounds
+from d3pext.inference.regression import (
     DEFAULT_MAX_TRIES,
     RegressionNIG,
     RegressionRecords,
-    _check_bounds,
-    _check_n,
+    check_num_records,
     power_sums,
     regression_prior,
     regression_statistics,
@@ -92,7 +91,7 @@ def constrained_regression_model(
 ) -> None:
     """``(beta0, beta1, sigma2) ~ prior`` (mapped from the unit scale; restricted to the feasible
     region if ``constrained``), ``records = (x, y)`` for ``n`` records."""
-    n = _check_n(n)
+    n = check_num_records(n)
     beta0, beta1, sigma2 = regression_prior(
         prior, bounds_x, bounds_y, constrained, max_tries=max_tries
     )
@@ -118,7 +117,7 @@ def private_constrained_regression(
     :param epsilon: total privacy budget of the two releases.
     :param bounds_x: public bounds of the covariate.
     :param bounds_y: public bounds of the response.
-    :param prior: :class:`~d3pext.regression.RegressionNIG` on the unit scale.
+    :param prior: :class:`~d3pext.inference.regression.RegressionNIG` on the unit scale.
     :param constrained: restrict statistics and parameters to the feasible region.
     :param x_moment_share: share of ``epsilon`` spent on the covariate's power sums.
     :param max_tries: cap on the proposals of each rejection step (then the run fails).
@@ -129,7 +128,7 @@ def private_constrained_regression(
     ...
     ValueError: The regression sampler needs an integer number of records n >= 3, got 2 ...
     """
-    n = _check_n(n)
+    n = check_num_records(n)
     epsilon = float(epsilon)
     if not (epsilon > 0 and math.isfinite(epsilon)):
         raise ValueError(f"epsilon must be positive and finite, got {epsilon}.")
@@ -138,8 +137,8 @@ def private_constrained_regression(
         raise ValueError(
             f"x_moment_share must be in (0, 1) (both releases need some budget), got {share}."
         )
-    bounds_x = _check_bounds("bounds_x", bounds_x)
-    bounds_y = _check_bounds("bounds_y", bounds_y)
+    bounds_x = check_bounds("bounds_x", bounds_x)
+    bounds_y = check_bounds("bounds_y", bounds_y)
     if not isinstance(prior, RegressionNIG):
         raise TypeError(f"prior must be a RegressionNIG, got {type(prior).__name__}.")
     model = partial(

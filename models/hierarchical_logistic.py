@@ -22,8 +22,8 @@ from jax import random
 import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
+from d3pext.validation import check_batch_size, check_labels, check_positive_if_number, check_records
 
-from d3pext.models.logistic import _check_batch_size, _check_labels, _check_positive, _check_records
 
 __all__ = [
     "HierarchicalLogisticData",
@@ -89,12 +89,12 @@ def hierarchical_logistic_regression(
     >>> result.params["M_loc"].shape
     (5, 3)
     """
-    n, d = _check_records("x", x, 2)
-    _check_labels("y", y, n)
+    n, d = check_records("x", x, 2)
+    check_labels("y", y, n)
     num_groups, k = _check_groups(group, group_features, n)
-    _check_batch_size(batch_size, n)
-    _check_positive("prior_scale", prior_scale)
-    _check_positive("weight_scale", weight_scale)
+    check_batch_size(batch_size, n)
+    check_positive_if_number("prior_scale", prior_scale)
+    check_positive_if_number("weight_scale", weight_scale)
     m = numpyro.sample("M", dist.Normal(0.0, prior_scale).expand([d, k]).to_event(2))
     with numpyro.plate("groups", num_groups):
         ws = numpyro.sample("ws", dist.Normal(group_features @ m.T, weight_scale).to_event(1))
@@ -191,8 +191,8 @@ def simulate_hierarchical_logistic(
                         ("num_groups", num_groups), ("num_group_features", num_group_features)):  # fmt: skip
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    _check_positive("coef_scale", coef_scale)
-    _check_positive("weight_scale", weight_scale)
+    check_positive_if_number("coef_scale", coef_scale)
+    check_positive_if_number("weight_scale", weight_scale)
     return HierarchicalLogisticData(
         *_simulate_hierarchical(
             rng_key, num_records, num_features, num_groups, num_group_features, float(coef_scale), float(weight_scale)

@@ -37,7 +37,7 @@ import numpyro
 import numpyro.distributions as dist
 
 from d3pext.handlers.privatize import privatize
-from d3pext.mechanisms import LaplaceMechanism
+from d3pext.releases.mechanisms import LaplaceMechanism
 
 __all__ = [
     "PAPER_BETA",

@@ -19,36 +19,9 @@ from jax import random
 import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
+from d3pext.validation import check_batch_size, check_labels, check_positive_if_number, check_records
 
 __all__ = ["logistic_regression", "logistic_guide", "simulate_logistic"]
-
-
-def _check_records(name: str, x, ndim: int):
-    """Shape of a data argument with records along axis 0, with a clear error if it has the wrong rank."""
-    shape = jnp.shape(x)
-    if len(shape) != ndim:
-        raise ValueError(f"{name} must be a {ndim}-D array with records along axis 0, got shape {shape}")
-    return shape
-
-
-def _check_labels(name: str, y, n: int) -> None:
-    if y is not None and jnp.shape(y) != (n,):
-        raise ValueError(f"{name} must have shape ({n},) to match the records, got {jnp.shape(y)}")
-
-
-def _check_batch_size(batch_size: Optional[int], n: int) -> None:
-    if batch_size is None:
-        return
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-        raise TypeError(f"batch_size must be an int or None, got {type(batch_size).__name__}")
-    if not 1 <= batch_size <= n:
-        raise ValueError(f"batch_size must be in [1, {n}] (the number of records), got {batch_size}")
-
-
-def _check_positive(name: str, value: float) -> None:
-    # Only concrete Python numbers are checked: arrays may be traced under jit.
-    if isinstance(value, (int, float)) and not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
 
 
 def logistic_regression(
@@ -78,10 +51,10 @@ def logistic_regression(
     >>> result.params["w_loc"].shape
     (3,)
     """
-    n, d = _check_records("x", x, 2)
-    _check_labels("y", y, n)
-    _check_batch_size(batch_size, n)
-    _check_positive("prior_scale", prior_scale)
+    n, d = check_records("x", x, 2)
+    check_labels("y", y, n)
+    check_batch_size(batch_size, n)
+    check_positive_if_number("prior_scale", prior_scale)
     w = numpyro.sample("w", dist.Normal(0.0, prior_scale).expand([d]).to_event(1))
     with numpyro.plate("data", n, subsample_size=batch_size):
         xb = numpyro.subsample(x, event_dim=1)

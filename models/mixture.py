@@ -20,8 +20,8 @@ from jax import random
 import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import constraints, transforms
+from d3pext.validation import check_batch_size, check_positive_if_number, check_records
 
-from d3pext.models.logistic import _check_batch_size, _check_positive, _check_records
 
 __all__ = [
     "MixtureData",
@@ -68,10 +68,10 @@ def gaussian_mixture(x: jax.Array, *, num_components: int = 5, batch_size: Optio
     >>> result.params["locs_loc"].shape
     (3, 2)
     """
-    n, d = _check_records("x", x, 2)
+    n, d = check_records("x", x, 2)
     if isinstance(num_components, bool) or not isinstance(num_components, int) or num_components < 1:
         raise ValueError(f"num_components must be a positive int, got {num_components!r}")
-    _check_batch_size(batch_size, n)
+    check_batch_size(batch_size, n)
     weights = numpyro.sample("weights", dist.Dirichlet(jnp.ones(num_components)))
     with numpyro.plate("components", num_components):
         locs = numpyro.sample("locs", dist.Normal(0.0, 1.0).expand([d]).to_event(1))
@@ -140,7 +140,7 @@ def simulate_mixture(
         raise ValueError(
             f"num_records, num_components and dim must be >= 1, got {num_records}, {num_components}, {dim}"
         )
-    _check_positive("scale", scale)
+    check_positive_if_number("scale", scale)
     return MixtureData(*_simulate_mixture(rng_key, num_records, num_components, dim, float(scale)))
 
 

@@ -13,7 +13,7 @@ flattened in the order ``(i, k, j)`` (the order in which S3.3 lists them), each 
 ``Laplace(0, 2K / (n epsilon))`` noise (release site ``"records_dp"``).
 
 **Sensitivity** (a privacy claim). Under *substitution* of one record (``n`` fixed and public,
-the neighbouring relation ``"substitute"`` of :class:`~d3pext.mechanisms.LaplaceMechanism`),
+the neighbouring relation ``"substitute"`` of :class:`~d3pext.releases.mechanisms.LaplaceMechanism`),
 replacing ``(y, x)`` by ``(y', x')`` moves, for each feature ``k``, one count ``n^k_{y, x_k}``
 down by one and one count ``n^k_{y', x'_k}`` up by one (or none, if the cells agree): an L1
 change of at most ``2 / n`` per feature, ``Delta_1 = 2K / n`` in all, reached whenever the two
@@ -57,7 +57,7 @@ from numpyro.distributions import biject_to, constraints
 import numpyro.distributions as dist
 
 from d3pext.handlers.privatize import privatize
-from d3pext.mechanisms import LaplaceMechanism
+from d3pext.releases.mechanisms import LaplaceMechanism
 
 __all__ = [
     "PAPER_ALPHA",

@@ -6,8 +6,8 @@
 
 with independent ``Gamma(a0, b0)`` priors (shape, rate; the paper's ``a0 = 0.1, b0 = 1``). Each
 model declares its non-private Gibbs updates on its count site
-(``infer={"count_updates": ...}``, :class:`~d3pext.counts.CountUpdates`), so that
-``private_posterior`` runs them inside :class:`~d3pext.counts.CountGibbs` after each draw of
+(``infer={"count_updates": ...}``, :class:`~d3pext.inference.counts.CountUpdates`), so that
+``private_posterior`` runs them inside :class:`~d3pext.inference.counts.CountGibbs` after each draw of
 the confidential counts (method ``"gibbs"``) or on the truncated release (``"naive"``). The
 updates allocate each count to the latent components (multinomial, Zhou & Carin 2012) and draw the
 factors from their gamma conditionals; the MMSB actor factors are drawn one actor after the
@@ -15,7 +15,7 @@ other (``lax.fori_loop``): the conditional of actor ``i`` depends on all the oth
 ``vmap`` over actors would not be a Gibbs step.
 
 ``private_topic_model`` and ``private_community_model`` attach the geometric mechanism to each
-count (:func:`~d3pext.counts.privatize_counts`; one ``alpha`` per document for heterogeneous
+count (:func:`~d3pext.inference.counts.privatize_counts`; one ``alpha`` per document for heterogeneous
 noise). ``simulate_topic_corpus`` and ``simulate_network`` generate the synthetic data of the
 paper's sections 5.1 and 5.2.
 
@@ -46,13 +46,9 @@ from jax.typing import ArrayLike
 import numpyro
 import numpyro.distributions as dist
 
-from d3pext.counts import (
-    CountUpdates,
-    HeterogeneousGeometricMechanism,
-    check_counts,
-    limited_precision_mechanism,
-    privatize_counts,
-)
+from d3pext.inference.counts import CountUpdates
+from d3pext.releases.counts import HeterogeneousGeometricMechanism, check_counts, limited_precision_mechanism
+from d3pext.handlers.privatize import privatize_counts
 
 __all__ = [
     "CommunityModelUpdates",

@@ -8,7 +8,7 @@ keep double-precision accuracy without ``jax_enable_x64``. No approximate (tau-l
 offered: the notes measured tau-leaping distorting the spread and the extinction rate.
 
 Release (Proposition 4): the counts ``I(t_1..t_L)`` through the binomial mechanism with ``n``
-trials and pseudo-count ``m`` (:class:`~d3pext.mechanisms.BinomialMechanism`, L1 sensitivity
+trials and pseudo-count ``m`` (:class:`~d3pext.releases.mechanisms.BinomialMechanism`, L1 sensitivity
 ``L``: substituting one individual moves each count by at most one), ``epsilon = n L / m``.
 The paper's vectors are the binomial counts divided by ``n``, at ``t = 0, 17, ..., 153``.
 
@@ -32,7 +32,7 @@ import numpyro.distributions as dist
 from numpyro.distributions.util import promote_shapes
 
 from d3pext.handlers.privatize import privatize
-from d3pext.mechanisms import BinomialMechanism
+from d3pext.releases.mechanisms import BinomialMechanism
 
 __all__ = [
     "PAPER_FLU_S_DP",

@@ -22,8 +22,8 @@ from jax.example_libraries import stax
 
 import numpyro
 import numpyro.distributions as dist
+from d3pext.validation import check_batch_size, check_records
 
-from d3pext.models.logistic import _check_batch_size, _check_records
 
 __all__ = ["vae_model", "vae_guide", "vae_encoder", "vae_decoder", "simulate_binary_images"]
 
@@ -89,8 +89,8 @@ def vae_model(
     >>> bool(result.losses[-10:].mean() < result.losses[:10].mean())
     True
     """
-    n, num_pixels = _check_records("x", x, 2)
-    _check_batch_size(batch_size, n)
+    n, num_pixels = check_records("x", x, 2)
+    check_batch_size(batch_size, n)
     _check_dims(hidden_dim, latent_dim)
     decode = numpyro.module("decoder", vae_decoder(hidden_dim, num_pixels), (1, latent_dim))
     with numpyro.plate("data", n, subsample_size=batch_size):
@@ -110,7 +110,7 @@ def vae_guide(
     >>> trace(seed(vae_guide, 0)).get_trace(jnp.ones((4, 6)), hidden_dim=8, latent_dim=2)["z"]["value"].shape
     (4, 2)
     """
-    n, num_pixels = _check_records("x", x, 2)
+    n, num_pixels = check_records("x", x, 2)
     _check_dims(hidden_dim, latent_dim)
     encode = numpyro.module("encoder", vae_encoder(hidden_dim, latent_dim), (1, num_pixels))
     with numpyro.plate("data", n, subsample_size=batch_size):

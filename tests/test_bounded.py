@@ -1,4 +1,4 @@
-"""Kazan & Reiter bounded Gaussian (d3pext.bounded): posteriors against brute-force grid
+"""Kazan & Reiter bounded Gaussian (d3pext.inference.bounded): posteriors against brute-force grid
 posteriors of the exact Laplace likelihood, the backend's choices, analyst utilities, errors."""
 
 import math
@@ -13,8 +13,7 @@ import scipy.stats as st
 import numpyro
 from numpyro.diagnostics import effective_sample_size
 
-import d3pext.bounded  # noqa: F401  (registers the backends)
-from d3pext.bounded import (
+from d3pext.inference.bounded import (
     FlatPrior,
     JeffreysPrior,
     KazanReiterGibbs,
@@ -27,7 +26,7 @@ from d3pext.bounded import (
     to_unit_scale,
 )
 from d3pext.handlers import make_release, private_posterior, sample_releases
-from d3pext.mechanisms import LaplaceMechanism
+from d3pext.releases.mechanisms import LaplaceMechanism
 from d3pext.models.bounded_gaussian import BLOOD_LEAD, bounded_gaussian_model, private_bounded_gaussian
 
 BOUNDS = BLOOD_LEAD["bounds"]

@@ -9,19 +9,14 @@ import numpy as np
 import pytest
 import scipy.stats as st
 
-import d3pext.counts  # noqa: F401  (registers the "schein-bessel" and "truncated-counts" backends)
-from d3pext.counts import (
-    CountGibbs,
-    CountGibbsState,
-    HeterogeneousGeometricMechanism,
-    limited_precision_mechanism,
-    privatize_counts,
-    sample_true_counts,
-)
+from d3pext.inference.counts import CountGibbs, CountGibbsState, sample_true_counts
+from d3pext.releases.counts import HeterogeneousGeometricMechanism, limited_precision_mechanism
+from d3pext.handlers.privatize import privatize_counts
 from d3pext.distributions import GeometricNoisedPoisson
 from d3pext.handlers import make_release, private_posterior, sample_releases
-from d3pext.handlers.posterior import RELEASES_KWARG, PrivatePosterior
-from d3pext.mechanisms import GeometricMechanism
+from d3pext.inference.structure import RELEASES_KWARG
+from d3pext.handlers.posterior import PrivatePosterior
+from d3pext.releases.mechanisms import GeometricMechanism
 from d3pext.models.poisson_factorization import (
     private_community_model,
     private_topic_model,
@@ -241,24 +236,25 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="self-loops"):
         make_release(private_community_model(1.0), 3, 2, np.ones((3, 3), np.int64), rng_key=0)
     with pytest.raises(ValueError, match="geometric"):
-        from d3pext.mechanisms import LaplaceMechanism
+        from d3pext.releases.mechanisms import LaplaceMechanism
 
         privatize_counts(_poisson_model, site="y", mechanism=LaplaceMechanism(1.0))
 
 
 def test_bernstein_sheldon_backend_declines_records():
     # the exponential-family backends are registered first and must pass records releases on
-    from d3pext.handlers.posterior import _BACKENDS, build_kernel, inspect_model
+    from d3pext.inference.registry import backends, build_kernel
+    from d3pext.inference.structure import inspect_model
 
     private = privatize_counts(_poisson_model, site="y", mechanism=limited_precision_mechanism(1.0))
     pm = inspect_model(private, {"y_dp": jnp.array([3, -1, 4])}, (3,), {})
-    from d3pext.handlers.posterior import NotApplicable
+    from d3pext.inference.structure import NotApplicable
 
     for method in ("gibbs", "naive"):
-        name, first = _BACKENDS[method][0]
-        assert name not in ("schein-bessel", "truncated-counts")
+        first = backends(method)[0]
+        assert first.name not in ("schein-bessel", "truncated-counts")
         with pytest.raises(NotApplicable, match="records"):
-            first(pm, {})
+            first.build(pm, {})
     assert isinstance(build_kernel(pm, "naive", {}).blocks[0][0], CountGibbs)
 
 

@@ -11,8 +11,9 @@ import pkgutil
 import pytest
 
 FAST = {
-    "d3pext.accountants.fourier", "d3pext.accountants.ledger", "d3pext.cli", "d3pext.expfam",
-    "d3pext.mechanisms", "d3pext.models.sir", "d3pext.prng",
+    "d3pext.accountants.fourier", "d3pext.accountants.ledger", "d3pext.cli", "d3pext.distributions.expfam",
+    "d3pext.releases.mechanisms", "d3pext.models.sir", "d3pext.prng", "d3pext.validation", "d3pext.dtypes",
+    "d3pext.inference.registry", "d3pext.training.clipping", "d3pext.releases.counts",
 }
 
 
@@ -31,14 +32,14 @@ MODULES = _modules()
 
 def test_module_list_is_complete():
     assert FAST <= set(MODULES)
-    assert {"d3pext.svi", "d3pext.handlers.posterior", "d3pext.models.vae"} <= set(MODULES)
+    assert {"d3pext.training.svi", "d3pext.handlers.posterior", "d3pext.models.vae"} <= set(MODULES)
 
 
 @pytest.mark.parametrize(
     "name", [m if m in FAST else pytest.param(m, marks=pytest.mark.slow) for m in MODULES]
 )
 def test_docstring_examples(name):
-    if name in ("d3pext.flows", "d3pext.sbi"):
+    if name in ("d3pext.simulation.flows", "d3pext.simulation.sbi"):
         pytest.importorskip("flowjax")
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)

@@ -12,20 +12,16 @@ import jax.numpy as jnp
 
 import numpyro.distributions as dist
 
-from d3pext.expfam import (
+from d3pext.distributions.expfam import (
     clt_moments,
     conjugate_posterior,
     family_of,
     random_sum_moments,
     truncated_moments,
 )
-from d3pext.gibbs import (
-    _Draws,
-    _truncated_update,
-    laplace_mixing_variance,
-    log_gamma_variate,
-    truncated_normal,
-)
+from d3pext.inference.draws import SweepDraws
+from d3pext.inference.expfam_gibbs import _truncated_update
+from d3pext.inference.draws import laplace_mixing_variance, log_gamma_variate, truncated_normal
 
 
 @pytest.mark.parametrize(
@@ -186,7 +182,7 @@ def test_joint_sections_covariance_matches_simulation():
     keys = random.split(random.key(2), 20000)
 
     def draw(key, sections):
-        draws = _Draws.per_call(key, jnp.float32)
+        draws = SweepDraws.per_call(key, jnp.float32)
         return _truncated_update(draws, family, jnp.array(-lam), n, 0.0, 1e12, (a, b), sections)
 
     x = np.random.default_rng(3).exponential(1 / lam, (20000, n))

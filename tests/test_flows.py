@@ -1,4 +1,4 @@
-"""Conditional spline flows and their compiled training loop (d3pext.flows)."""
+"""Conditional spline flows and their compiled training loop (d3pext.simulation.flows)."""
 
 import math
 import sys
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 pytest.importorskip("flowjax")
 
-from d3pext.flows import FlowTrainer, conditional_spline_flow, require_flowjax  # noqa: E402
+from d3pext.simulation.flows import FlowTrainer, conditional_spline_flow, require_flowjax  # noqa: E402
 
 
 def _gaussian_data(key, n):

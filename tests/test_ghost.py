@@ -1,4 +1,4 @@
-"""Ghost norms and the one-pass clipped sum (d3pext.ghost) against materialized per-record gradients."""
+"""Ghost norms and the one-pass clipped sum (d3pext.training.ghost) against materialized per-record gradients."""
 
 import jax
 from jax import lax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from d3pext.ghost import PerRecordGradients, value_and_grad_norm
+from d3pext.training.ghost import PerRecordGradients, value_and_grad_norm
 
 
 def _params(key, shapes):

@@ -13,7 +13,7 @@ from numpyro.handlers import condition, seed, substitute, trace
 
 from d3pext.accountants.ledger import PrivacyBudgetExceeded, PrivacyLedger
 from d3pext.handlers import make_release, private_posterior, privatize, sample_releases
-from d3pext.mechanisms import GaussianMechanism, LaplaceMechanism
+from d3pext.releases.mechanisms import GaussianMechanism, LaplaceMechanism
 from d3pext.models.expfam import (
     beta_binomial_model,
     private_beta_binomial,
@@ -50,6 +50,38 @@ def test_privatize_adds_release_site_with_derived_sensitivity():
     local = privatize(beta_binomial_model, site="x", mechanism=LaplaceMechanism(1.0), statistic="records")
     tr, _ = _release_info(local, 20)
     assert tr["x_dp"]["value"].shape == (20,) and tr["x_dp"]["cond_indep_stack"][0].name == "records"
+
+
+def test_privatize_as_wrapper_and_as_with_block():
+    # every NumPyro handler works both ways; the with block emits the release when it exits
+    mechanism = LaplaceMechanism(0.5)
+    x = jnp.array([1, 0, 1, 1, 0])
+    wrapped = privatize(beta_binomial_model, site="x", mechanism=mechanism)
+    tr_wrapped = trace(seed(wrapped, 0)).get_trace(5, x)
+
+    def with_block(n, x=None):
+        with privatize(site="x", mechanism=mechanism):
+            beta_binomial_model(n, x)
+
+    tr_block = trace(seed(with_block, 0)).get_trace(5, x)
+    for tr in (tr_wrapped, tr_block):
+        info = tr["x_dp"]["infer"]["privatize"]
+        assert (info.source, info.num_records, info.sensitivity) == ("x", 5, 1.0)
+        assert list(tr)[-1] == "x_dp"  # after the model body
+    assert tr_block["x_dp"]["infer"]["privatize"] == tr_wrapped["x_dp"]["infer"]["privatize"]
+    # both forms release the same statistic from the same key
+    assert make_release(with_block, 5, x, rng_key=3)["x_dp"] == make_release(wrapped, 5, x, rng_key=3)["x_dp"]
+    # a block without the site says so; an exception inside the block propagates, with no release
+    with pytest.raises(ValueError, match="no sample site 'y'"):
+        with trace() as tr, seed(rng_seed=0):
+            with privatize(site="y", mechanism=mechanism):
+                beta_binomial_model(5, x)
+    with pytest.raises(RuntimeError, match="inside"):
+        with trace() as tr, seed(rng_seed=0):
+            with privatize(site="x", mechanism=mechanism):
+                beta_binomial_model(5, x)
+                raise RuntimeError("inside the block")
+    assert "x_dp" not in tr
 
 
 def test_make_release_statistic_seed_and_ledger():

@@ -1,4 +1,4 @@
-"""Checks of d3pext.mechanisms: noise laws, privacy bounds, calibration, quantiles, validation."""
+"""Checks of d3pext.releases.mechanisms: noise laws, privacy bounds, calibration, quantiles, validation."""
 
 import math
 
@@ -12,7 +12,7 @@ import scipy.integrate
 import scipy.stats as st
 
 from d3pext.accountants.ledger import PrivacyCost, analytic_gaussian_delta
-from d3pext.mechanisms import (
+from d3pext.releases.mechanisms import (
     BinomialMechanism,
     GaussianMechanism,
     GeometricMechanism,

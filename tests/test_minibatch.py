@@ -1,4 +1,4 @@
-"""Tests for d3pext.minibatch: Feistel fixed-size batches and Poisson subsampling.
+"""Tests for d3pext.training.minibatch: Feistel fixed-size batches and Poisson subsampling.
 
 Statistical tests use fixed seeds and reject at p < 1e-3. Uniformity of B-subsets is
 checked three ways: a chi-square over all C(N, B) subsets (small N), and a Mahalanobis
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from d3pext import minibatch
+from d3pext.training import minibatch
 from d3pext.accountants import Relation
-from d3pext.minibatch import (
+from d3pext.training.minibatch import (
     FixedSizeSampler,
     PoissonSampler,
     _feistel,

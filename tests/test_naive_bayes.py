@@ -198,7 +198,7 @@ def test_reference_recovers_the_conjugate_posterior_without_noise():
 def test_simulator_maps_simplices_to_unconstrained_space():
     # what SPPE/SPLE see: 1 + 2 * 2 stick-breaking coordinates, a round trip to the simplices, and
     # the prior density in those coordinates (Dirichlet(2) densities times the Jacobian)
-    from d3pext.sbi import Simulator
+    from d3pext.simulation.sbi import Simulator
 
     sim = Simulator(private_naive_bayes(), {"records_dp": jnp.array(PAPER_M)})
     assert sim.dim == 5 and sim.release_dim == 8
@@ -219,7 +219,6 @@ def test_sppe_tiny_run_on_simplex_parameters():
     # ~50 s on this CPU (compiling the simulator with three Dirichlet samplers and the flow), too
     # much for the default run; the simplex handling has the fast check above
     pytest.importorskip("flowjax")
-    import d3pext.sbi  # noqa: F401  (registers "sppe")
 
     post = private_posterior(
         private_naive_bayes(), {"records_dp": jnp.array(PAPER_M)}, method="sppe", rounds=1,
@@ -270,7 +269,7 @@ def test_sppe_sple_match_exact_reference(method, paper_reference):
     # sd ratios SPPE 1.16-1.42, SPLE 1.0-1.15. The exact posterior sd is 0.042-0.097, so the
     # tolerance 0.05 is about half an sd to one sd.
     pytest.importorskip("flowjax")
-    import d3pext.sbi  # noqa: F401
+    import d3pext.simulation.sbi  # noqa: F401
 
     ref = paper_reference
     assert ref["ess"] > 2000

@@ -1,5 +1,5 @@
 """Bernstein & Sheldon regression from noisy sufficient statistics with Kazan & Reiter's constraints
-(d3pext.regression): each conditional against its exact law (independent NumPy/SciPy references),
+(d3pext.inference.regression): each conditional against its exact law (independent NumPy/SciPy references),
 the large-epsilon limit, constrained vs unconstrained, the exhausted-rejection error, bad input."""
 
 import math
@@ -14,7 +14,8 @@ import scipy.stats as st
 from numpyro.diagnostics import effective_sample_size
 from numpyro.handlers import seed, trace
 
-import d3pext.regression as R  # registers the backends (until d3pext.handlers imports it)
+import d3pext.inference.regression as R
+from d3pext.inference.draws import uniform_pairs
 from d3pext.accountants.ledger import PrivacyLedger
 from d3pext.handlers import make_release, private_posterior, sample_releases
 from d3pext.handlers.posterior import PrivatePosterior
@@ -151,7 +152,7 @@ def _conditional_draws(num):
 
     def one(key):
         k1, k2, k3, k4, k5, kw = jax.random.split(key, 6)
-        w = R._uniform_pairs(kw, (20,), jnp.float64)
+        w = uniform_pairs(kw, (20,), jnp.float64)
         args = (jnp.asarray(z), jnp.asarray(D_S), jnp.asarray(THETA_S), S2_S, jnp.asarray(M_S), N_S)
         s_unc = R._statistic_update(w[:, :5], k1, jnp.asarray(z), *args, False, 100)
         s_con = R._statistic_update(w[:, 5:10], k2, jnp.asarray(z), *args, True, 1000)
@@ -351,7 +352,7 @@ BX, BY = (0.0, 10.0), (0.0, 5.0)
 @pytest.mark.slow
 def test_constrained_vs_unconstrained_small_release(x64):
     # n = 10, epsilon = 1: the unconstrained posterior puts much mass on infeasible parameters
-    from d3pext.bounded import hpd_interval
+    from d3pext.inference.bounded import hpd_interval
 
     rng = np.random.default_rng(6)
     n = 10

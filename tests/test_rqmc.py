@@ -1,4 +1,4 @@
-"""Scrambled Sobol RQMC over release mechanisms (d3pext.rqmc) against exact expectations."""
+"""Scrambled Sobol RQMC over release mechanisms (d3pext.simulation.rqmc) against exact expectations."""
 
 import math
 
@@ -9,8 +9,8 @@ from jax import random
 import jax.numpy as jnp
 import numpyro.distributions as dist
 
-from d3pext import rqmc
-from d3pext.mechanisms import BinomialMechanism, LaplaceMechanism, Mechanism
+from d3pext.simulation import rqmc
+from d3pext.releases.mechanisms import BinomialMechanism, LaplaceMechanism, Mechanism
 
 
 def test_sobol_digits_match_scipy():

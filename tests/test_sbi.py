@@ -1,4 +1,4 @@
-"""SPPE and SPLE (d3pext.sbi) on the linear-regression example of seed 000, against an exact
+"""SPPE and SPLE (d3pext.simulation.sbi) on the linear-regression example of seed 000, against an exact
 importance-sampling reference; the linear-regression model's statistic and sensitivity."""
 
 import itertools
@@ -13,9 +13,8 @@ import numpyro.distributions as dist
 
 pytest.importorskip("flowjax")
 
-import d3pext.sbi  # noqa: E402,F401  (registers "sppe" and "sple")
 from d3pext.handlers import available_methods, private_posterior, privatize  # noqa: E402
-from d3pext.mechanisms import LaplaceMechanism  # noqa: E402
+from d3pext.releases.mechanisms import LaplaceMechanism  # noqa: E402
 from d3pext.models.linear_regression import (  # noqa: E402
     PAPER_S_DP,
     linear_regression_naive_posterior,
@@ -163,7 +162,7 @@ def test_sppe_log_prob_is_normalized(tiny_sppe):
 
 
 def test_atomic_loss_matches_its_formula(tiny_sppe):
-    from d3pext.sbi import _make_atomic_loss
+    from d3pext.simulation.sbi import _make_atomic_loss
 
     flow = tiny_sppe.flow
     B, M = 6, 3

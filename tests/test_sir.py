@@ -93,7 +93,7 @@ def test_trajectory_distribution_and_private_model():
     assert tr["infected_dp"]["value"].shape == (10,)
 
 
-# -- ABC reference (d3pext.abc) --------------------------------------------------------------------
+# -- ABC reference (d3pext.simulation.abc) --------------------------------------------------------------------
 
 
 def _bernoulli_logit_model(n, x=None):
@@ -108,9 +108,9 @@ def _bernoulli_logit_model(n, x=None):
 def test_abc_matches_exact_posterior_of_a_private_count():
     # Bernoulli records, Laplace(3) noise on their sum: the exact posterior of the logit is a
     # one-dimensional sum over the hidden count, computed on a grid
-    from d3pext.abc import rejection_abc, smc_abc
+    from d3pext.simulation.abc import rejection_abc, smc_abc
     from d3pext.handlers import privatize
-    from d3pext.mechanisms import LaplaceMechanism
+    from d3pext.releases.mechanisms import LaplaceMechanism
 
     n, b, obs = 50, 3.0, 30.0
     model = privatize(_bernoulli_logit_model, site="x", mechanism=LaplaceMechanism(1.0 / b))
@@ -148,8 +148,8 @@ def test_abc_matches_exact_posterior_of_a_private_count():
 def _sppe_and_smc_abc(model, data, K, **abc_kwargs):
     """SMC-ABC and SPPE (2 rounds x 1000, small flow) on one SIR release: the reference's mean and
     sd, its result, and SPPE's draws of (log beta, log gamma)."""
-    import d3pext.sbi  # noqa: F401
-    from d3pext.abc import smc_abc
+    import d3pext.simulation.sbi  # noqa: F401
+    from d3pext.simulation.abc import smc_abc
     from d3pext.handlers import private_posterior
     from d3pext.models.sir import PAPER_TIMES
 
@@ -211,7 +211,7 @@ def test_sppe_and_smc_abc_concentrate_at_the_truth_of_a_drawn_release():
     log gamma) = (-0.57, -2.97), sd (0.11, 0.07), ESS 421; truth (-0.5, -3.0).
     """
     pytest.importorskip("flowjax")
-    from d3pext.mechanisms import BinomialMechanism
+    from d3pext.releases.mechanisms import BinomialMechanism
     from d3pext.models.sir import PAPER_SIR_THETA, PAPER_TIMES
 
     K, m = 10**4, 10.0

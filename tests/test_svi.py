@@ -14,7 +14,7 @@ from numpyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from numpyro.infer.autoguide import AutoDelta, AutoDiagonalNormal
 
 from d3pext import DPSVI
-from d3pext.svi import DPSVIState
+from d3pext.training.svi import DPSVIState
 
 
 def logistic(x, y, batch_size=100):
@@ -372,7 +372,7 @@ def test_ghost_norms_and_sum_of_a_vae_record_loss():
     """The VAE's per-record ELBO term (2 particles, so each record gives the decoder's products two
     rows): the five Dense kernels are ghost weights, and the norms and the weighted sum equal those of
     materialized per-record gradients. (The whole private step is compared in the slow twin below.)"""
-    from d3pext.ghost import PerRecordGradients
+    from d3pext.training.ghost import PerRecordGradients
 
     vae_model, vae_guide, x, kw = _small_vae()
     svi = DPSVI(vae_model, vae_guide, numpyro.optim.Adam(0.1), Trace_ELBO(num_particles=2),

@@ -1,4 +1,4 @@
-"""Checks of d3pext.tgm (truncated gamma, TGM) and of the inverse-Gaussian draws used by the
+"""Checks of d3pext.distributions.truncated_gamma (truncated gamma, TGM) and of the inverse-Gaussian draws used by the
 Kazan & Reiter sampler, against exact (mpmath / scipy) densities and CDFs."""
 
 import math
@@ -11,8 +11,8 @@ import pytest
 import scipy.stats as st
 
 from d3pext.distributions import InverseGaussian
-from d3pext.gibbs import laplace_mixing_variance
-from d3pext.tgm import (
+from d3pext.inference.draws import laplace_mixing_variance
+from d3pext.distributions.truncated_gamma import (
     TGM,
     log_gamma_mass,
     log_gammainc,
@@ -241,7 +241,7 @@ def test_truncated_gamma_sampler_deep_tail_gof(x64):
 
 
 # Inverse Gaussian: the Laplace scale mixture's precision (d3pext.distributions, shared) and
-# the kernel's draw (d3pext.gibbs.laplace_mixing_variance), including very large means
+# the kernel's draw (d3pext.inference.expfam_gibbs.laplace_mixing_variance), including very large means
 IG_MEANS = [1.0, 1e4, 1e8, 1e12, math.inf]
 
 

@@ -8,7 +8,7 @@ One step of :class:`DPSVI` (seed 003, section 2.3, after Jälkö et al.):
    variables, their prior and guide terms), computed with ``vmap`` and clipped to L2 norm ``C`` over the
    whole parameter tree; for large models the weights of matrix products never get per-record gradients:
    their per-record norms and the clipped sum come from each record's layer inputs and output gradients
-   ("ghost" clipping, :mod:`d3pext.ghost`), so that B copies of the gradient are never held;
+   ("ghost" clipping, :mod:`d3pext.training.ghost`), so that B copies of the gradient are never held;
 4. sum, add Gaussian noise of standard deviation ``sigma * C`` once, and rescale by ``N / B``;
 5. add the gradient of the data-independent terms (global prior and guide entropy), which needs neither
    clipping nor noise, and update the parameters with the optimizer.
@@ -31,15 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax, random
 
-import numpyro
 from numpyro.handlers import Messenger, replay, seed, substitute, trace
 from numpyro.infer import SVI, Trace_ELBO
-from numpyro.infer.svi import SVIRunResult
 
 from d3pext import accountants
 from d3pext.accountants import Relation
-from d3pext.ghost import PerRecordGradients, value_and_grad_norm
-from d3pext.minibatch import FixedSizeSampler, PoissonSampler
+from d3pext.training.clipping import CLIPPED_SUMS, choose_clipping
+from d3pext.training.minibatch import FixedSizeSampler, PoissonSampler
 from d3pext.prng import secure_key, threefry_key
 
 __all__ = ["DPSVI", "DPSVIState", "DPSVIRunResult", "PrivacyReport"]
@@ -147,12 +145,6 @@ def _site_log_prob(site) -> jnp.ndarray:
     return jnp.sum(log_prob)
 
 
-def _tree_norms(tree) -> jnp.ndarray:
-    """Per-example L2 norms over the whole tree; every leaf has the examples on axis 0."""
-    squares = [jnp.sum(jnp.reshape(g, (g.shape[0], -1)) ** 2, axis=1) for g in jax.tree.leaves(tree)]
-    return jnp.sqrt(sum(squares))
-
-
 def _split_kwargs(kwargs: dict) -> tuple[dict, tuple]:
     """Arrays are traced under jit, everything else is a static (hashable) argument."""
     dynamic = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
@@ -200,7 +192,7 @@ class DPSVI(SVI):
     - *batch mode* (d3p style): pass a batch of B records (positional arguments, records on axis 0) to a
       model whose plate has size N and ``subsample_size=B``; the accountant then assumes the batches are
       uniformly random fixed-size batches without replacement (as from
-      :func:`d3pext.minibatch.subsample_batchify_data`).
+      :func:`d3pext.training.minibatch.subsample_batchify_data`).
 
     Positional arguments are data; keyword arguments are passed to the model unchanged (arrays traced,
     other values static). The losses reported by :meth:`update` and :meth:`run` are computed on the
@@ -220,7 +212,7 @@ class DPSVI(SVI):
     :param num_obs_total: N, for batch-mode models whose plate does not know the total number of records.
     :param clipping: how the clipped sum is computed; all give the same sum. ``"materialize"``: per-record
         gradients by ``vmap``, clipped and summed (one pass; memory B x parameters). ``"ghost"``: one pass
-        in which each weight of a matrix product (found in the traced loss, see :mod:`d3pext.ghost`) keeps
+        in which each weight of a matrix product (found in the traced loss, see :mod:`d3pext.training.ghost`) keeps
         only the record's inputs ``A`` and output gradients ``G`` of its product; its per-record norm is
         ``|A^T G|`` by Gram matrices and its clipped sum ``sum_i w_i A_i^T G_i``; other leaves get per-record
         gradients. ``"reweight"``: ghost norms first, then one batched backward pass of the loss weighted by
@@ -562,9 +554,10 @@ class DPSVI(SVI):
         else:
             per_record = lambda fn, p, recs, a: jax.vmap(lambda rec, ra: fn(p, elbo_key, ra, kwargs, rec))(recs, a)
         c = self.clipping_threshold
-        clipped_sum = {"materialize": self._materialized_sum, "ghost": self._ghost_sum,
-                       "reweight": self._reweighted_sum}[self._clipping_mode(params)]
-        clipped, losses, mask = clipped_sum(params, args, records, mask, per_record, stable)
+        clipped_sum = CLIPPED_SUMS[self._clipping_mode(params)]
+        clipped, losses, mask = clipped_sum(
+            self._record_loss, per_record, params, args, records, mask, c, stable, structure.plate_mode
+        )
         leaves, treedef = jax.tree.flatten(clipped)
         noise_keys = random.split(noise_key, len(leaves))
         scale = structure.num_records / structure.batch_size
@@ -576,60 +569,7 @@ class DPSVI(SVI):
 
     def _clipping_mode(self, params) -> str:
         """How the clipped sum is computed (decided at trace time from static shapes)."""
-        if self.clipping != "auto":
-            return self.clipping
-        num_params = sum(int(np.prod(jnp.shape(leaf))) for leaf in jax.tree.leaves(params))
-        return "ghost" if self.structure.batch_size * num_params > 2**22 else "materialize"
-
-    def _materialized_sum(self, params, args, records, mask, per_record, stable):
-        """Clipped sum from materialized per-record gradients (B copies of the parameter tree)."""
-        losses, grads = per_record(jax.value_and_grad(self._record_loss), params, records, args)
-        if stable:
-            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(jnp.reshape(g, (g.shape[0], -1))), axis=1) for g in jax.tree.leaves(grads)]), axis=0)
-            mask = mask & finite & jnp.isfinite(losses)
-        # Padding slots (Poisson batches) hold real records that were not sampled: select, never multiply by 0,
-        # so that not even a NaN of theirs can reach the sum.
-        grads = jax.tree.map(lambda g: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (g.ndim - 1)), g, 0.0), grads)
-        c = self.clipping_threshold
-        weights = jnp.where(mask, c / jnp.maximum(_tree_norms(grads), c), 0.0)
-        return jax.tree.map(lambda g: jnp.tensordot(weights, g, axes=1), grads), losses, mask
-
-    def _clip_weights(self, norms, losses, mask, stable):
-        """``min(1, C / norm)`` per record, 0 outside the mask (which, under ``stable``, also drops
-        records whose loss or norm is not finite); returns the weights and the mask."""
-        if stable:
-            mask = mask & jnp.isfinite(norms) & jnp.isfinite(losses)
-        c = self.clipping_threshold
-        return jnp.where(mask, c / jnp.maximum(jnp.where(mask, norms, c), c), 0.0), mask
-
-    def _ghost_sum(self, params, args, records, mask, per_record, stable):
-        """Clipped sum in one pass: ghost norms, then ``sum_i w_i A_i^T G_i`` for the weights of matrix
-        products and ``sum_i w_i grad_i`` for the other leaves (:class:`d3pext.ghost.PerRecordGradients`)."""
-        record_grads = PerRecordGradients(self._record_loss)
-        losses, norms, parts = per_record(record_grads, params, records, args)
-        weights, mask = self._clip_weights(norms, losses, mask, stable)
-        return record_grads.weighted_sum(parts, weights, mask), losses, mask
-
-    def _reweighted_sum(self, params, args, records, mask, per_record, stable):
-        """Clipped sum as the gradient of sum_i w_i loss_i, w_i = min(1, C / |grad loss_i|) held fixed.
-
-        The norms are reduced per record as the gradients are formed; the second pass is one batched
-        backward pass. Records outside the mask are replaced by the first record inside it before that
-        pass, so that their weight of exactly 0 multiplies a finite gradient (a padding slot's or a
-        non-finite record's NaN never reaches the sum).
-        """
-
-        losses, norms = per_record(value_and_grad_norm(self._record_loss), params, records, args)
-        weights, mask = self._clip_weights(norms, losses, mask, stable)  # constants of the second pass
-        first = jnp.argmax(mask)
-        substitute_ = lambda t: jax.tree.map(lambda v: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (v.ndim - 1)), v, v[first]), t)
-        if self.structure.plate_mode:
-            records = substitute_(records)
-        else:
-            records, args = substitute_(records), substitute_(args)
-        grads = jax.grad(lambda p: jnp.sum(weights * per_record(self._record_loss, p, records, args)))(params)
-        grads = jax.tree.map(lambda g: jnp.where(jnp.any(mask), g, 0.0), grads)
-        return grads, losses, mask
+        return choose_clipping(self.clipping, self.structure.batch_size, params)
 
     def _step(self, state: DPSVIState, args, dyn_kwargs, static_kwargs, stable: bool):
         kwargs = {**dyn_kwargs, **dict(static_kwargs)}

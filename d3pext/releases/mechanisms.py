@@ -19,7 +19,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 import math
-import os
 from typing import ClassVar, Optional
 
 import jax
@@ -40,7 +39,10 @@ from d3pext.accountants.ledger import (
     analytic_gaussian_epsilon,
     analytic_gaussian_noise_multiplier,
 )
-from d3pext.distributions import TwoSidedGeometric, _float_dtype, exponential_fine_tail
+from d3pext.distributions.geometric import TwoSidedGeometric, exponential_fine_tail
+from d3pext.dtypes import float_dtype
+from d3pext.prng import secure_key
+from d3pext.validation import check_positive, check_positive_int, check_real
 
 __all__ = [
     "BinomialMechanism",
@@ -51,33 +53,6 @@ __all__ = [
 ]
 
 Array = jax.Array
-
-
-def _real(name: str, value) -> float:
-    if value is None or isinstance(value, (bool, str, bytes, complex)) or np.ndim(value) != 0:
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    return float(value)
-
-
-def _positive(name: str, value) -> float:
-    value = _real(name, value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {value}")
-    return value
-
-
-def _positive_int(name: str, value) -> int:
-    value = _real(name, value)
-    if not (math.isfinite(value) and value >= 1 and value == int(value)):
-        raise ValueError(f"{name} must be a positive integer, got {value}")
-    return int(value)
-
-
-def _entropy_key() -> Array:
-    """A PRNG key seeded from OS entropy (``os.urandom``), for real releases."""
-    shape = jax.random.key_data(jax.random.key(0)).shape
-    data = np.frombuffer(os.urandom(4 * math.prod(shape)), dtype=np.uint32).reshape(shape)
-    return jax.random.wrap_key_data(data)
 
 
 @partial(jax.jit, static_argnums=0)
@@ -123,7 +98,7 @@ class Mechanism(abc.ABC):
                 f"neighbouring must be one of {NEIGHBOURING_RELATIONS}, got {self.neighbouring!r}"
             )
         if self.sensitivity is not None:
-            object.__setattr__(self, "sensitivity", _positive("sensitivity", self.sensitivity))
+            object.__setattr__(self, "sensitivity", check_positive("sensitivity", self.sensitivity))
 
     def _require_sensitivity(self) -> float:
         if self.sensitivity is None:
@@ -158,9 +133,20 @@ class Mechanism(abc.ABC):
         """Quantile function of the release given ``value`` (``value + noise_icdf(u)``)."""
         return value + self.noise_icdf(u)
 
-    @abc.abstractmethod
+    def noise_parameters(self) -> dict:
+        """The noise parameters recorded with the cost (``scale``, ``sigma``, ``alpha``, ...)."""
+        return {}
+
     def cost(self) -> PrivacyCost:
         """The privacy cost of one release, for the ledger."""
+        return PrivacyCost(
+            self.kind,
+            self.epsilon,
+            self.delta,
+            self.neighbouring,
+            noise_multiplier=getattr(self, "noise_multiplier", None) if self.kind == "gaussian" else None,
+            parameters={"sensitivity": self._require_sensitivity(), **self.noise_parameters()},
+        )
 
     def _check_value(self, value: ArrayLike) -> None:
         """Curator-side checks of a concrete confidential value (none by default)."""
@@ -176,7 +162,7 @@ class Mechanism(abc.ABC):
         if not_jax_tracer(value):
             self._check_value(value)
         if rng_key is None:
-            rng_key = _entropy_key()
+            rng_key = secure_key()
         return _draw(self, rng_key, jnp.asarray(value))
 
     def _draw(self, rng_key: Array, value: Array) -> Array:
@@ -193,7 +179,7 @@ class LaplaceMechanism(Mechanism):
     * Density: :math:`p(y \mid x) = \prod_j \frac{1}{2b} \exp(-|y_j - x_j| / b)`.
 
     >>> import jax
-    >>> from d3pext.mechanisms import LaplaceMechanism
+    >>> from d3pext.releases.mechanisms import LaplaceMechanism
     >>> m = LaplaceMechanism(0.5, sensitivity=2.0)
     >>> m.scale
     4.0
@@ -208,7 +194,7 @@ class LaplaceMechanism(Mechanism):
     neighbouring: str = "substitute"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "epsilon", _positive("epsilon", self.epsilon))
+        object.__setattr__(self, "epsilon", check_positive("epsilon", self.epsilon))
         self._validate_common()
 
     @property
@@ -227,7 +213,7 @@ class LaplaceMechanism(Mechanism):
 
     def _draw(self, rng_key: Array, value: Array) -> Array:
         # Difference of exponentials with an exact tail: jax.random.laplace stops near 16.6 b.
-        dtype = _float_dtype(value)
+        dtype = float_dtype(value)
         e = exponential_fine_tail(rng_key, (2,) + jnp.shape(value), dtype)
         return value + self.scale * (e[0] - e[1])
 
@@ -239,14 +225,8 @@ class LaplaceMechanism(Mechanism):
         u_hi = jnp.where(lower, 0.75, u)
         return self.scale * jnp.where(lower, jnp.log(2 * u_lo), -jnp.log(2 * (1 - u_hi)))
 
-    def cost(self) -> PrivacyCost:
-        return PrivacyCost(
-            self.kind,
-            self.epsilon,
-            0.0,
-            self.neighbouring,
-            parameters={"sensitivity": self._require_sensitivity(), "scale": self.scale},
-        )
+    def noise_parameters(self) -> dict:
+        return {"scale": self.scale}
 
 
 @dataclass(frozen=True)
@@ -268,7 +248,7 @@ class GaussianMechanism(Mechanism):
     :param noise_multiplier: ``sigma / sensitivity``, when fixed by hand (see :meth:`from_sigma`);
         it must give (epsilon, delta)-DP.
 
-    >>> from d3pext.mechanisms import GaussianMechanism
+    >>> from d3pext.releases.mechanisms import GaussianMechanism
     >>> m = GaussianMechanism(1.0, 1e-5, sensitivity=2.0)
     >>> round(m.noise_multiplier, 4), round(m.sigma, 4)
     (3.7306, 7.4613)
@@ -284,8 +264,8 @@ class GaussianMechanism(Mechanism):
     noise_multiplier: Optional[float] = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "epsilon", _positive("epsilon", self.epsilon))
-        delta = _real("delta", self.delta)
+        object.__setattr__(self, "epsilon", check_positive("epsilon", self.epsilon))
+        delta = check_real("delta", self.delta)
         if not 0 < delta < 1:
             raise ValueError(f"delta must lie in (0, 1) for the Gaussian mechanism, got {delta}")
         object.__setattr__(self, "delta", delta)
@@ -293,7 +273,7 @@ class GaussianMechanism(Mechanism):
         if self.noise_multiplier is None:
             z = analytic_gaussian_noise_multiplier(self.epsilon, self.delta)
         else:
-            z = _positive("noise_multiplier", self.noise_multiplier)
+            z = check_positive("noise_multiplier", self.noise_multiplier)
             if analytic_gaussian_delta(self.epsilon, z) > self.delta * (1 + 1e-9):
                 needed = analytic_gaussian_noise_multiplier(self.epsilon, self.delta)
                 raise ValueError(
@@ -308,7 +288,7 @@ class GaussianMechanism(Mechanism):
     ) -> "GaussianMechanism":
         """The Gaussian mechanism with noise standard deviation ``sigma``; its epsilon is the
         smallest for which it is (epsilon, delta)-DP at this sensitivity."""
-        z = _positive("sigma", sigma) / _positive("sensitivity", sensitivity)
+        z = check_positive("sigma", sigma) / check_positive("sensitivity", sensitivity)
         epsilon = analytic_gaussian_epsilon(delta, z)
         if epsilon == 0:
             raise ValueError(
@@ -328,7 +308,7 @@ class GaussianMechanism(Mechanism):
 
     def _draw(self, rng_key: Array, value: Array) -> Array:
         # Box-Muller with an exact-tail radius: jax.random.normal stops near 5.4 sigma (float32).
-        dtype = _float_dtype(value)
+        dtype = float_dtype(value)
         key_radius, key_angle = jax.random.split(rng_key)
         radius = jnp.sqrt(2 * exponential_fine_tail(key_radius, jnp.shape(value), dtype))
         angle = jax.random.uniform(key_angle, jnp.shape(value), dtype, 0.0, 2 * math.pi)
@@ -337,15 +317,8 @@ class GaussianMechanism(Mechanism):
     def noise_icdf(self, u: ArrayLike) -> Array:
         return self.sigma * ndtri(jnp.asarray(u))
 
-    def cost(self) -> PrivacyCost:
-        return PrivacyCost(
-            self.kind,
-            self.epsilon,
-            self.delta,
-            self.neighbouring,
-            noise_multiplier=self.noise_multiplier,
-            parameters={"sensitivity": self._require_sensitivity(), "sigma": self.sigma},
-        )
+    def noise_parameters(self) -> dict:
+        return {"sigma": self.sigma}
 
 
 @dataclass(frozen=True)
@@ -361,7 +334,7 @@ class GeometricMechanism(Mechanism):
       \alpha^{|y_j - x_j|}`, :math:`y_j \in \mathbb{Z}`.
 
     >>> import jax
-    >>> from d3pext.mechanisms import GeometricMechanism
+    >>> from d3pext.releases.mechanisms import GeometricMechanism
     >>> m = GeometricMechanism(1.0)
     >>> round(m.alpha, 4)
     0.3679
@@ -375,7 +348,7 @@ class GeometricMechanism(Mechanism):
     neighbouring: str = "substitute"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "epsilon", _positive("epsilon", self.epsilon))
+        object.__setattr__(self, "epsilon", check_positive("epsilon", self.epsilon))
         self._validate_common()
 
     @classmethod
@@ -383,10 +356,10 @@ class GeometricMechanism(Mechanism):
         cls, alpha: float, sensitivity: float = 1.0, neighbouring: str = "substitute"
     ) -> "GeometricMechanism":
         """The mechanism with decay ``alpha`` in (0, 1): ``epsilon = -sensitivity log(alpha)``."""
-        alpha = _real("alpha", alpha)
+        alpha = check_real("alpha", alpha)
         if not 0 < alpha < 1:
             raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
-        epsilon = -_positive("sensitivity", sensitivity) * math.log(alpha)
+        epsilon = -check_positive("sensitivity", sensitivity) * math.log(alpha)
         return cls(epsilon, sensitivity, neighbouring)
 
     @property
@@ -414,14 +387,8 @@ class GeometricMechanism(Mechanism):
         if not np.all(np.mod(np.asarray(value), 1) == 0):
             raise ValueError("the geometric mechanism releases integer values; got non-integers")
 
-    def cost(self) -> PrivacyCost:
-        return PrivacyCost(
-            self.kind,
-            self.epsilon,
-            0.0,
-            self.neighbouring,
-            parameters={"sensitivity": self._require_sensitivity(), "alpha": self.alpha},
-        )
+    def noise_parameters(self) -> dict:
+        return {"alpha": self.alpha}
 
 
 @dataclass(frozen=True)
@@ -454,7 +421,7 @@ class BinomialMechanism(Mechanism):
     :param population: ``K``, the largest possible count (positive integer).
     :param sensitivity: L1 sensitivity of the released counts (default 1).
 
-    >>> from d3pext.mechanisms import BinomialMechanism
+    >>> from d3pext.releases.mechanisms import BinomialMechanism
     >>> m = BinomialMechanism.from_pseudo_count(total_count=100, pseudo_count=50.0, population=1000)
     >>> m.epsilon
     2.0
@@ -470,9 +437,9 @@ class BinomialMechanism(Mechanism):
     neighbouring: str = "substitute"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "epsilon", _positive("epsilon", self.epsilon))
-        object.__setattr__(self, "total_count", _positive_int("total_count", self.total_count))
-        object.__setattr__(self, "population", _positive_int("population", self.population))
+        object.__setattr__(self, "epsilon", check_positive("epsilon", self.epsilon))
+        object.__setattr__(self, "total_count", check_positive_int("total_count", self.total_count))
+        object.__setattr__(self, "population", check_positive_int("population", self.population))
         self._validate_common()
 
     @classmethod
@@ -486,9 +453,9 @@ class BinomialMechanism(Mechanism):
     ) -> "BinomialMechanism":
         """The mechanism with pseudo-count ``m > 0``: ``epsilon = total_count sensitivity / m``."""
         epsilon = (
-            _positive_int("total_count", total_count)
-            * _positive("sensitivity", sensitivity)
-            / _positive("pseudo_count", pseudo_count)
+            check_positive_int("total_count", total_count)
+            * check_positive("sensitivity", sensitivity)
+            / check_positive("pseudo_count", pseudo_count)
         )
         return cls(epsilon, total_count, population, sensitivity, neighbouring)
 
@@ -525,16 +492,9 @@ class BinomialMechanism(Mechanism):
                 " (population); got values outside"
             )
 
-    def cost(self) -> PrivacyCost:
-        return PrivacyCost(
-            self.kind,
-            self.epsilon,
-            0.0,
-            self.neighbouring,
-            parameters={
-                "sensitivity": self._require_sensitivity(),
-                "total_count": self.total_count,
-                "pseudo_count": self.pseudo_count,
-                "population": self.population,
-            },
-        )
+    def noise_parameters(self) -> dict:
+        return {
+            "total_count": self.total_count,
+            "pseudo_count": self.pseudo_count,
+            "population": self.population,
+        }

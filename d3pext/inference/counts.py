@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-import math
-from typing import Any, ClassVar, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -50,210 +49,24 @@ from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.mcmc import MCMCKernel
 from numpyro.primitives import Messenger
 
-from d3pext.accountants.ledger import PrivacyCost
-from d3pext.distributions import TwoSidedGeometric, sample_bessel
-from d3pext.gibbs import ConstrainedGibbsKernel
-from d3pext.handlers.posterior import NotApplicable, PrivateModel, register_backend
-from d3pext.handlers.privatize import ReleaseInfo, privatize
-from d3pext.mechanisms import GeometricMechanism, Mechanism
+from d3pext.distributions import sample_bessel
+from d3pext.inference.gibbs_base import ConstrainedGibbsKernel
+from d3pext.inference.registry import NotApplicable, PrivateModel
+from d3pext.releases.counts import check_counts
+from d3pext.releases.info import ReleaseInfo
 
 __all__ = [
     "CountBlock",
     "CountGibbs",
     "CountGibbsState",
     "CountUpdates",
-    "HeterogeneousGeometricMechanism",
     "augment_counts",
-    "check_counts",
-    "limited_precision_mechanism",
-    "privatize_counts",
+    "count_kernel",
+    "noise_rate_site",
     "sample_true_counts",
 ]
 
 Array = jax.Array
-
-
-# ---------------------------------------------------------------------------------------------
-# Mechanisms and the release
-# ---------------------------------------------------------------------------------------------
-
-
-def limited_precision_mechanism(epsilon: float, N: int = 1) -> GeometricMechanism:
-    r"""The geometric mechanism that makes each observation ``(N, epsilon)``-private (seed 002,
-    Theorem 1): ``alpha = exp(-epsilon / N)``, so that observations within L1 distance ``N``
-    (e.g. a document and one with up to ``N`` more or fewer word tokens) are
-    ``epsilon``-indistinguishable.
-
-    >>> m = limited_precision_mechanism(2.0, N=4)
-    >>> round(m.alpha, 4), m.sensitivity
-    (0.6065, 4.0)
-    """
-    if isinstance(N, bool) or not np.isscalar(N) or not (N >= 1 and float(N) == int(N)):
-        raise ValueError(f"N must be a positive integer (the L1 neighbourhood), got {N!r}.")
-    if not np.isscalar(epsilon) or not (math.isfinite(float(epsilon)) and float(epsilon) > 0):
-        raise ValueError(f"epsilon must be finite and > 0, got {epsilon!r}.")
-    return GeometricMechanism(float(epsilon), sensitivity=float(N))
-
-
-def _nested_tuple(x: np.ndarray):
-    return tuple(_nested_tuple(v) for v in x) if x.ndim else float(x)
-
-
-@dataclass(frozen=True)
-class HeterogeneousGeometricMechanism(Mechanism):
-    r"""Two-sided geometric noise with a decay per record (or per group of records), e.g. one
-    ``alpha_d`` per document as in seed 002, section 5.1: ``release = value + 2Geo(alpha)`` with
-    ``alpha`` broadcast against the released counts (``alpha[:, None]`` for one per row).
-
-    Record ``i`` is ``(N, N ln(1/alpha_i))``-private; :attr:`epsilon` (what the ledger records)
-    is the guarantee that holds for every record, ``N ln(1 / min(alpha))``.
-
-    :param alpha: decays in (0, 1), any shape broadcastable to the counts.
-    :param sensitivity: ``N``, the L1 neighbourhood of an observation (default 1).
-
-    >>> import numpy as np
-    >>> m = HeterogeneousGeometricMechanism.from_alpha(np.array([[0.5], [0.9]]), sensitivity=2)
-    >>> round(m.epsilon, 4), m.log_alpha.shape
-    (1.3863, (2, 1))
-    """
-
-    kind: ClassVar[str] = "geometric"
-    alpha: Any = 0.5
-    sensitivity: Optional[float] = 1.0
-    neighbouring: str = "substitute"
-    _shape: tuple = field(default=(), repr=False)
-
-    def __post_init__(self) -> None:
-        a = np.asarray(self.alpha, np.float64)
-        if a.size == 0 or not np.all((a > 0) & (a < 1)):
-            raise ValueError(f"alpha must lie in (0, 1) for every record, got {self.alpha!r}.")
-        object.__setattr__(self, "alpha", _nested_tuple(a))
-        object.__setattr__(self, "_shape", a.shape)
-        self._validate_common()
-
-    @classmethod
-    def from_alpha(
-        cls, alpha: ArrayLike, sensitivity: float = 1.0, neighbouring: str = "substitute"
-    ) -> "HeterogeneousGeometricMechanism":
-        """The mechanism with per-record decays ``alpha``."""
-        return cls(np.asarray(alpha), sensitivity, neighbouring)
-
-    @property
-    def epsilon(self) -> float:
-        return -self._require_sensitivity() * float(np.log(np.min(self.alpha)))
-
-    @property
-    def delta(self) -> float:
-        return 0.0
-
-    @property
-    def log_alpha(self) -> np.ndarray:
-        return np.log(np.asarray(self.alpha, np.float64)).reshape(self._shape)
-
-    def noise_distribution(self) -> dist.Distribution:
-        return TwoSidedGeometric(log_alpha=jnp.asarray(self.log_alpha))
-
-    def release_distribution(self, value: ArrayLike) -> dist.Distribution:
-        return TwoSidedGeometric(log_alpha=jnp.asarray(self.log_alpha), loc=value)
-
-    def noise_icdf(self, u: ArrayLike) -> Array:
-        return self.noise_distribution().icdf(u)
-
-    def _check_value(self, value: ArrayLike) -> None:
-        check_counts(value, "the released value", nonnegative=False)
-        try:
-            np.broadcast_shapes(self._shape, np.shape(value))
-        except ValueError:
-            raise ValueError(
-                f"alpha of shape {self._shape} does not broadcast against the counts of shape "
-                f"{np.shape(value)}."
-            ) from None
-
-    def cost(self) -> PrivacyCost:
-        return PrivacyCost(
-            self.kind,
-            self.epsilon,
-            0.0,
-            self.neighbouring,
-            parameters={
-                "sensitivity": self._require_sensitivity(),
-                "alpha_min": float(np.min(self.alpha)),
-                "alpha_max": float(np.max(self.alpha)),
-            },
-        )
-
-
-def check_counts(value: ArrayLike, what: str = "counts", nonnegative: bool = True) -> np.ndarray:
-    """``value`` as an integer array; a clear ``ValueError`` for non-integer (or negative) counts.
-
-    >>> check_counts([0, 3, 2]).dtype.kind
-    'i'
-    """
-    x = np.asarray(value)
-    if x.dtype == bool or not (
-        np.issubdtype(x.dtype, np.integer)
-        or (np.issubdtype(x.dtype, np.floating) and np.all(np.isfinite(x)) and np.all(x == np.round(x)))
-    ):
-        raise ValueError(f"{what} must be integers, got {x.dtype} values such as {x.ravel()[:3]}.")
-    if nonnegative and np.any(x < 0):
-        raise ValueError(f"{what} must be non-negative integers (confidential counts).")
-    return x.astype(np.int64 if jax.config.jax_enable_x64 else np.int32)
-
-
-class privatize_counts(privatize):
-    """Release each count of the confidential site ``site`` through a geometric mechanism (local
-    privacy; the release ``f"{site}_dp"`` lives in the site's plates, one noisy count per count).
-
-    Like ``privatize(..., statistic="records")`` for count sites whose records need not be
-    identically distributed (Poisson factorization: a rate per count) and whose range is
-    unbounded: the privacy unit is set by the mechanism's sensitivity ``N`` (Theorem 1), not by
-    bounds on the counts.
-
-    :param fn: the model; ``site`` must be a count site (Poisson).
-    :param site: the confidential count site.
-    :param mechanism: :class:`~d3pext.mechanisms.GeometricMechanism` (e.g.
-        :func:`limited_precision_mechanism`) or :class:`HeterogeneousGeometricMechanism`.
-
-    >>> import jax.numpy as jnp
-    >>> import numpyro, numpyro.distributions as dist
-    >>> from d3pext.handlers import make_release
-    >>> def model(counts=None):
-    ...     rate = numpyro.sample("rate", dist.Gamma(1.0, 0.1))
-    ...     with numpyro.plate("cells", 4):
-    ...         numpyro.sample("y", dist.Poisson(rate), obs=counts)
-    >>> private = privatize_counts(model, site="y", mechanism=limited_precision_mechanism(1.0, N=2))
-    >>> make_release(private, jnp.array([3, 0, 7, 1]), rng_key=0)["y_dp"].shape
-    (4,)
-    """
-
-    def __init__(self, fn: Callable | None = None, *, site: str, mechanism: Any, name: str | None = None):
-        if getattr(mechanism, "kind", None) != "geometric" or not hasattr(mechanism, "log_alpha"):
-            raise ValueError(
-                "privatize_counts needs a geometric mechanism (GeometricMechanism, "
-                f"HeterogeneousGeometricMechanism), got {mechanism!r}."
-            )
-        n = mechanism.sensitivity
-        if n is None or not (n >= 1 and float(n) == int(n)):
-            raise ValueError(
-                f"the mechanism's sensitivity is N, the L1 neighbourhood of an observation: a "
-                f"positive integer, got {n!r}."
-            )
-        super().__init__(fn, site=site, mechanism=mechanism, statistic="records", name=name)
-
-    def _statistic(self, msg: dict):
-        value = msg["value"]
-        if msg["is_observed"] and not isinstance(value, jax.core.Tracer):
-            check_counts(value, f"The confidential counts at site {self.site!r}")
-        la = np.shape(self.mechanism.log_alpha)
-        try:
-            if np.broadcast_shapes(la, jnp.shape(value)) != jnp.shape(value):
-                raise ValueError
-        except ValueError:
-            raise ValueError(
-                f"The mechanism's alpha has shape {la}, which does not broadcast to the counts of "
-                f"site {self.site!r} with shape {jnp.shape(value)}."
-            ) from None
-        return value, None, int(np.prod(jnp.shape(value))), ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,12 +344,11 @@ def _count_blocks(pm: PrivateModel, naive: bool) -> list[CountBlock]:
         mech = info.mechanism
         if getattr(mech, "kind", None) != "geometric" or not hasattr(mech, "log_alpha"):
             raise NotApplicable(f"release {name!r}: the count augmentation needs geometric noise.")
-        site = pm.trace[info.source]
-        shape = jnp.shape(site["value"])
-        _poisson(site["fn"])
-        value = pm.trace[name]["value"]
-        if not isinstance(value, jax.core.Tracer):
-            check_counts(value, f"The release {name!r}", nonnegative=False)
+        site = pm.sites[info.source]
+        shape = jnp.shape(site.value)
+        _poisson(site.fn)
+        value = pm.sites[name].value
+        check_counts(value, f"The release {name!r}", nonnegative=False)
         if jnp.shape(value) != shape:
             raise ValueError(
                 f"The release {name!r} has shape {jnp.shape(value)}, but the counts of "
@@ -550,7 +362,7 @@ def _count_blocks(pm: PrivateModel, naive: bool) -> list[CountBlock]:
                 f"release {name!r}: alpha of shape {log_alpha.shape} does not broadcast to the "
                 f"counts of shape {shape}."
             ) from None
-        updates = (site.get("infer") or {}).get("count_updates")
+        updates = site.infer.get("count_updates")
         if updates is not None and not isinstance(updates, CountUpdates):
             raise TypeError(f"infer['count_updates'] of {info.source!r} must be a CountUpdates.")
         blocks.append(
@@ -566,7 +378,9 @@ def _count_blocks(pm: PrivateModel, naive: bool) -> list[CountBlock]:
     return blocks
 
 
-def _count_kernel(pm: PrivateModel, options: dict, naive: bool) -> MCMCKernel:
+def count_kernel(pm: PrivateModel, options: dict, naive: bool) -> MCMCKernel:
+    """:class:`CountGibbs` for the count releases of ``pm``, with NUTS for the latent sites that
+    no declared :class:`CountUpdates` owns."""
     blocks = _count_blocks(pm, naive)
     aug = augment_counts(pm.model, pm.releases, naive=naive)
     kernel = CountGibbs(aug, blocks)
@@ -578,11 +392,11 @@ def _count_kernel(pm: PrivateModel, options: dict, naive: bool) -> MCMCKernel:
     return Gibbs([(kernel, list(kernel.sites)), (nuts, None)])
 
 
-@register_backend("gibbs", "schein-bessel")
-def _schein_bessel(pm: PrivateModel, options: dict) -> MCMCKernel:
-    return _count_kernel(pm, options, naive=False)
+def schein_bessel_kernel(pm: PrivateModel, options: dict) -> MCMCKernel:
+    """The ``"gibbs"`` backend: the Bessel/Skellam augmentation of the counts."""
+    return count_kernel(pm, options, naive=False)
 
 
-@register_backend("naive", "truncated-counts")
-def _truncated_counts(pm: PrivateModel, options: dict) -> MCMCKernel:
-    return _count_kernel(pm, options, naive=True)
+def truncated_counts_kernel(pm: PrivateModel, options: dict) -> MCMCKernel:
+    """The ``"naive"`` backend: negative releases truncated at zero, taken as the counts."""
+    return count_kernel(pm, options, naive=True)

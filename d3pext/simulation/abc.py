@@ -1,7 +1,7 @@
 """Rejection approximate Bayesian computation (ABC) for privatized models: a reference posterior.
 
 The simulator is the privatized NumPyro model run forward, exactly as for SPPE/SPLE
-(:class:`d3pext.sbi.Simulator`): parameters from the prior, confidential data, the released
+(:class:`d3pext.simulation.sbi.Simulator`): parameters from the prior, confidential data, the released
 statistic, then one release drawn through the mechanism. Simulations whose release lies closest
 to the observed one (Euclidean distance after scaling each coordinate by the median absolute
 deviation of the simulated releases) are kept: the accepted parameters are draws from the ABC
@@ -14,7 +14,7 @@ more simulations.
 >>> from jax import random
 >>> import numpyro, numpyro.distributions as dist
 >>> from d3pext.handlers import privatize
->>> from d3pext.mechanisms import LaplaceMechanism
+>>> from d3pext.releases.mechanisms import LaplaceMechanism
 >>> def model(n, x=None):
 ...     theta = numpyro.sample("theta", dist.Beta(2.0, 2.0))
 ...     with numpyro.plate("records", n):
@@ -40,7 +40,7 @@ from jax import random
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
 
-from d3pext import rqmc
+from d3pext.simulation import rqmc
 
 __all__ = ["ABCResult", "rejection_abc", "smc_abc"]
 
@@ -103,7 +103,7 @@ def _check_int(name: str, value: Any, low: int = 1) -> int:
 
 
 def _simulator(model, data, model_args, model_kwargs, parameters):
-    from d3pext.sbi import Simulator  # the simulator lives with SPPE/SPLE
+    from d3pext.simulation.sbi import Simulator  # the simulator lives with SPPE/SPLE
 
     if not data:
         raise ValueError("ABC needs the observed release: data={release site: value}.")

@@ -4,7 +4,7 @@ The simulator is the privatized NumPyro model itself: run forward (vmapped over 
 draws the parameters from their prior (or from the current proposal, by substitution), the
 confidential data, and the released statistic *before* noise (``infer["statistic"]`` of each
 release site). The mechanism is then integrated out of the loss by randomized quasi-Monte Carlo
-(:mod:`d3pext.rqmc`, eq. 11): ``M`` releases per simulated data set, from a scrambled Sobol set
+(:mod:`d3pext.simulation.rqmc`, eq. 11): ``M`` releases per simulated data set, from a scrambled Sobol set
 mapped through the mechanism's inverse CDF.
 
 - **SPPE** (Algorithm 1): a conditional flow ``q(theta | s_dp)``; round 1 (prior proposal) by
@@ -47,10 +47,11 @@ from jax.scipy.special import logsumexp
 from numpyro.distributions import biject_to
 from numpyro.handlers import condition, seed, substitute, trace
 
-from d3pext import rqmc
-from d3pext.flows import FlowTrainer, conditional_spline_flow, require_flowjax
-from d3pext.handlers.posterior import _conditioned_releases, register_fitter
-from d3pext.handlers.privatize import ReleaseInfo, release_sites
+from d3pext.simulation import rqmc
+from d3pext.simulation.flows import FlowTrainer, conditional_spline_flow, require_flowjax
+from d3pext.inference.structure import conditioned_releases
+from d3pext.releases.info import ReleaseInfo, release_sites
+from d3pext.validation import check_int
 
 __all__ = ["SPLE", "SPPE", "SequentialEstimator", "Simulator"]
 
@@ -87,7 +88,7 @@ class Simulator:
     ) -> None:
         self.model_args = tuple(model_args)
         self.model_kwargs = dict(model_kwargs or {})
-        given = {**_conditioned_releases(model), **dict(data or {})}
+        given = {**conditioned_releases(model), **dict(data or {})}
         self.model = condition(model, data=dict(data)) if data else model
         box = {}
 
@@ -270,12 +271,6 @@ def _std(x, axis):
     return jnp.where(s > 0, s, 1.0)
 
 
-def _check_int(name, value, low=1):
-    if isinstance(value, bool) or int(value) != value or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
-    return int(value)
-
-
 class SequentialEstimator:
     """Common machinery of :class:`SPPE` and :class:`SPLE` (not used directly).
 
@@ -284,7 +279,7 @@ class SequentialEstimator:
     :param int num_points: ``M`` releases per simulated data set (a power of two for RQMC).
     :param str integration: ``"rqmc"`` (default) or ``"mc"``.
     :param float validation_fraction: share of each round's simulations held out (5%).
-    :param dict flow_kwargs: arguments of :func:`~d3pext.flows.conditional_spline_flow`.
+    :param dict flow_kwargs: arguments of :func:`~d3pext.simulation.flows.conditional_spline_flow`.
     :param learning_rate, weight_decay, batch_size, patience, max_epochs: training (paper S3).
     :param parameters: latent sites to infer (default: all but the confidential data).
     :param bool progress_bar: bars over rounds and epochs.
@@ -322,9 +317,9 @@ class SequentialEstimator:
             raise TypeError(f"{self.method}: unexpected arguments {sorted(unused)}.")
         require_flowjax()
         self.model, self.data = model, dict(data or {})
-        self.rounds = _check_int("rounds", rounds)
-        self.simulations_per_round = _check_int("simulations_per_round", simulations_per_round)
-        self.num_points = _check_int("num_points", num_points)
+        self.rounds = check_int("rounds", rounds)
+        self.simulations_per_round = check_int("simulations_per_round", simulations_per_round)
+        self.num_points = check_int("num_points", num_points)
         if integration not in ("rqmc", "mc"):
             raise ValueError(f"integration must be 'rqmc' or 'mc', got {integration!r}.")
         self.integration = integration
@@ -332,7 +327,7 @@ class SequentialEstimator:
             raise ValueError(f"validation_fraction must lie in (0, 1), got {validation_fraction}.")
         self.num_valid = max(1, int(round(validation_fraction * self.simulations_per_round)))
         self.num_train = self.simulations_per_round - self.num_valid
-        self.batch_size = _check_int("batch_size", batch_size)
+        self.batch_size = check_int("batch_size", batch_size)
         if self.num_train < self.batch_size:
             raise ValueError(
                 f"simulations_per_round={self.simulations_per_round} leaves {self.num_train} "
@@ -343,9 +338,9 @@ class SequentialEstimator:
                                  batch_size=self.batch_size, patience=patience, max_epochs=max_epochs)
         self.parameters = parameters
         self.progress_bar = progress_bar
-        self.num_warmup = _check_int("num_warmup", num_warmup, 0)
-        self.num_samples = _check_int("num_samples", num_samples)
-        self.num_chains = _check_int("num_chains", num_chains)
+        self.num_warmup = check_int("num_warmup", num_warmup, 0)
+        self.num_samples = check_int("num_samples", num_samples)
+        self.num_chains = check_int("num_chains", num_chains)
         self.diagnostics: list[dict] = []
         self.simulator: Simulator | None = None
         self.flow = None
@@ -451,7 +446,7 @@ class SequentialEstimator:
     def sample(self, rng_key: jax.Array, num_samples: int) -> dict:
         """Posterior draws, ``{site: (num_samples, ...)}`` in the model's (constrained) space."""
         self._check_run()
-        return self._constrain_batch(self.sample_unconstrained(rng_key, _check_int("num_samples", num_samples)))
+        return self._constrain_batch(self.sample_unconstrained(rng_key, check_int("num_samples", num_samples)))
 
     def get_samples(self) -> dict:
         """``num_samples`` posterior draws (as ``MCMC.get_samples``), with a fixed key."""
@@ -521,7 +516,7 @@ class SPPE(SequentialEstimator):
 
     def __init__(self, model, data=None, *, num_atoms: int = 10, **kwargs):
         super().__init__(model, data, **kwargs)
-        self.num_atoms = _check_int("num_atoms", num_atoms, 2)
+        self.num_atoms = check_int("num_atoms", num_atoms, 2)
         if self.num_atoms > self.batch_size:
             raise ValueError(f"num_atoms={num_atoms} exceeds batch_size={self.batch_size}.")
 
@@ -587,7 +582,7 @@ class SPLE(SequentialEstimator):
 
     def __init__(self, model, data=None, *, max_tree_depth: int = 6, **kwargs):
         super().__init__(model, data, **kwargs)
-        self.max_tree_depth = _check_int("max_tree_depth", max_tree_depth)
+        self.max_tree_depth = check_int("max_tree_depth", max_tree_depth)
         self._nuts = {}
         self._last_draws = None
 
@@ -681,12 +676,3 @@ def _sple_loss(flow, batch, key):
     th, ss = _flatten_atoms(z[:, None], s)
     return -flow.log_prob(ss, th).reshape(s.shape[0], s.shape[1]).mean(1)
 
-
-@register_fitter("sppe")
-def _sppe_fitter(model, data, **options) -> SPPE:
-    return SPPE(model, data, **options)
-
-
-@register_fitter("sple")
-def _sple_fitter(model, data, **options) -> SPLE:
-    return SPLE(model, data, **options)

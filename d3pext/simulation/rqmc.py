@@ -156,7 +156,7 @@ def release_points(
 ) -> jax.Array:
     """``num_points`` releases of each confidential ``value``: shape ``(*batch, num_points, r)``.
 
-    :param mechanism: a mechanism of :mod:`d3pext.mechanisms` (with its sensitivity set).
+    :param mechanism: a mechanism of :mod:`d3pext.releases.mechanisms` (with its sensitivity set).
     :param value: confidential statistics, shape ``(*batch, r)`` (the last axis is the release).
     :param method: ``"rqmc"`` (scrambled Sobol through ``release_icdf``, one scramble per batch
         element) or ``"mc"`` (independent draws). A mechanism without an inverse CDF falls
@@ -164,7 +164,7 @@ def release_points(
 
     >>> from jax import random
     >>> import jax.numpy as jnp
-    >>> from d3pext.mechanisms import LaplaceMechanism
+    >>> from d3pext.releases.mechanisms import LaplaceMechanism
     >>> m = LaplaceMechanism(1.0, sensitivity=1.0)
     >>> s = release_points(m, random.key(0), jnp.zeros((100, 3)), 64)
     >>> s.shape, abs(float(s.mean())) < 0.05

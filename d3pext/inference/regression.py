@@ -44,7 +44,7 @@ imputed statistics ``f"{release}_stat"`` stay on the unit scale of the release.
    exponential tail proposal above it (:func:`_precision_proposal`), so that a severe truncation
    does not exhaust the loop; each proposal is accepted with its own probability times
    ``1[theta feasible]``, so the accepted draw is exact.
-3. ``1 / omega_j^2 | S``: inverse Gaussian (:func:`d3pext.gibbs.laplace_mixing_variance`).
+3. ``1 / omega_j^2 | S``: inverse Gaussian (:func:`d3pext.inference.expfam_gibbs.laplace_mixing_variance`).
 
 **Constraints on the statistics** (``u, v`` in ``[0, 1]``; each is a sum over records of a
 product that is non-negative on ``[0, 1]^2``, or the Gram matrix of ``(1, u, v)``):
@@ -114,17 +114,20 @@ from numpyro.distributions import constraints
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.initialization import init_to_uniform
 
-from d3pext.gibbs import (
-    ConstrainedGibbsKernel,
-    _log_gamma,
-    _log_uniform,
-    _mixing_variance,
-    _normal,
-    _uniform_pairs,
+from d3pext.inference.draws import (
+    log_gamma_from_uniforms,
+    log_uniform_from_uniforms,
+    mixing_variance_from_uniforms,
+    normal_from_uniforms,
+    uniform_pairs,
 )
-from d3pext.mechanisms import LaplaceMechanism
+from d3pext.inference.gibbs_base import ConstrainedGibbsKernel
+from d3pext.inference.structure import NotApplicable, PrivateModel
+from d3pext.releases.mechanisms import LaplaceMechanism
+from d3pext.validation import check_bounds
 
 __all__ = [
+    "check_num_records",
     "DEFAULT_MAX_TRIES",
     "STAT_NAMES",
     "BernsteinSheldonRegression",
@@ -158,16 +161,7 @@ _NUM_PAIRS = 13  # uniform pairs per sweep: S 5, (precision, theta) 3, omega 5
 # Prior, spec and input checks
 
 
-def _check_bounds(name: str, bounds) -> tuple[float, float]:
-    if bounds is None or len(bounds) != 2:
-        raise ValueError(f"{name} must be a pair (a, b), got {bounds!r}.")
-    a, b = (float(v) for v in bounds)
-    if not (math.isfinite(a) and math.isfinite(b) and a < b):
-        raise ValueError(f"{name} must be finite with a < b, got ({a}, {b}).")
-    return a, b
-
-
-def _check_n(n) -> int:
+def check_num_records(n) -> int:
     if int(n) != n or n < 3:
         raise ValueError(
             f"The regression sampler needs an integer number of records n >= 3, got {n!r} (with "
@@ -248,7 +242,7 @@ def to_original_scale(bounds_x, bounds_y, theta0, theta1, sigma2_unit):
     >>> to_original_scale((0.0, 10.0), (5.0, 7.0), 0.5, 1.0, 0.25)
     (6.0, 0.2, 1.0)
     """
-    (ax, bx), (ay, by) = _check_bounds("bounds_x", bounds_x), _check_bounds("bounds_y", bounds_y)
+    (ax, bx), (ay, by) = check_bounds("bounds_x", bounds_x), check_bounds("bounds_y", bounds_y)
     wx, wy = bx - ax, by - ay
     beta1 = theta1 * wy / wx
     return ay + wy * theta0 - beta1 * ax, beta1, sigma2_unit * wy**2
@@ -260,7 +254,7 @@ def to_unit_scale(bounds_x, bounds_y, beta0, beta1, sigma2):
     >>> to_unit_scale((0.0, 10.0), (5.0, 7.0), 6.0, 0.2, 1.0)
     (0.5, 1.0, 0.25)
     """
-    (ax, bx), (ay, by) = _check_bounds("bounds_x", bounds_x), _check_bounds("bounds_y", bounds_y)
+    (ax, bx), (ay, by) = check_bounds("bounds_x", bounds_x), check_bounds("bounds_y", bounds_y)
     wx, wy = bx - ax, by - ay
     return (beta0 - ay + beta1 * ax) / wy, beta1 * wx / wy, sigma2 / wy**2
 
@@ -291,8 +285,8 @@ def regression_prior(
     """
     if not isinstance(prior, RegressionNIG):
         raise TypeError(f"prior must be a RegressionNIG, got {type(prior).__name__}.")
-    bounds_x = _check_bounds("bounds_x", bounds_x)
-    bounds_y = _check_bounds("bounds_y", bounds_y)
+    bounds_x = check_bounds("bounds_x", bounds_x)
+    bounds_y = check_bounds("bounds_y", bounds_y)
     if int(max_tries) != max_tries or max_tries < 1:
         raise ValueError(f"max_tries must be a positive integer, got {max_tries!r}.")
     spec = RegressionSpec(
@@ -339,7 +333,7 @@ class RegressionRecords(dist.Distribution):
         self.beta0, self.beta1, self.sigma = jnp.broadcast_arrays(
             *(jnp.asarray(v, jnp.result_type(float)) for v in (beta0, beta1, sigma))
         )
-        self.bounds_x = _check_bounds("bounds_x", bounds_x)
+        self.bounds_x = check_bounds("bounds_x", bounds_x)
         super().__init__(jnp.shape(self.beta0), (2,), validate_args=validate_args)
 
     def sample(self, key, sample_shape=()):
@@ -640,8 +634,8 @@ def _statistic_update(w, retry_key, s_old, z, noise_var, theta, sigma2, m, n, co
     sd = jnp.sqrt(noise_var)
 
     def draw(w):
-        s0 = n * mu + factor @ _normal(w[0])
-        return s0 + prior_cov @ cho_solve((low, True), z - s0 - sd * _normal(w[1]))
+        s0 = n * mu + factor @ normal_from_uniforms(w[0])
+        return s0 + prior_cov @ cho_solve((low, True), z - s0 - sd * normal_from_uniforms(w[1]))
 
     s = draw(w)
     if not constrained:
@@ -650,7 +644,7 @@ def _statistic_update(w, retry_key, s_old, z, noise_var, theta, sigma2, m, n, co
 
     def retry(carry):
         i, s, _ = carry
-        s = draw(_uniform_pairs(random.fold_in(retry_key, i), (5,), w.dtype))
+        s = draw(uniform_pairs(random.fold_in(retry_key, i), (5,), w.dtype))
         return i + 1, s, feasible_statistics(s, n)
 
     _, s, ok = lax.while_loop(
@@ -672,16 +666,16 @@ def _precision_proposal(w, a, b):
     c = _MIN_PRECISION * b
     d = a - 1.0 / 3.0
     k = 1.0 / jnp.sqrt(9.0 * d)
-    x = _normal(w[0, 0])
+    x = normal_from_uniforms(w[0, 0])
     v = (1 + k * x) ** 3
     log_ratio = 0.5 * x**2 + d - d * v + d * jnp.log(jnp.where(v > 0, v, 1.0))
     body = d * v
-    ok_body = (v > 0) & (_log_uniform(w[1, 0]) < log_ratio) & (body >= c)
+    ok_body = (v > 0) & (log_uniform_from_uniforms(w[1, 0]) < log_ratio) & (body >= c)
     tail = c > a - 1.0
     lam = jnp.where(tail, 1.0 - (a - 1.0) / c, 1.0)
-    y = c - _log_uniform(w[0, 1]) / lam
+    y = c - log_uniform_from_uniforms(w[0, 1]) / lam
     log_acc = (a - 1.0) * jnp.log(y / c) - (1.0 - lam) * (y - c)
-    ok_tail = _log_uniform(w[1, 1]) < log_acc
+    ok_tail = log_uniform_from_uniforms(w[1, 1]) < log_acc
     return jnp.where(tail, y, body) / b, jnp.where(tail, ok_tail, ok_body)
 
 
@@ -703,20 +697,20 @@ def _parameter_update(w, retry_key, s, n, prior, constrained, max_tries, old=Non
         return mu_n + scale * jnp.stack([l00 * e[0], l10 * e[0] + l11 * e[1]])
 
     if not constrained:
-        log_g = _log_gamma(w[:, 0], lambda i: random.fold_in(retry_key, i), a_n)
+        log_g = log_gamma_from_uniforms(w[:, 0], lambda i: random.fold_in(retry_key, i), a_n)
         precision = jnp.exp(log_g) / b_n
-        return theta_of(precision, _normal(w[:, 1])), 1.0 / precision
+        return theta_of(precision, normal_from_uniforms(w[:, 1])), 1.0 / precision
 
     def propose(w):
         precision, ok = _precision_proposal(w[:, :2], a_n, b_n)
-        theta = theta_of(precision, _normal(w[:, 2]))
+        theta = theta_of(precision, normal_from_uniforms(w[:, 2]))
         return theta, precision, ok & feasible_coefficients(theta[0], theta[1])
 
     theta, precision, ok = propose(w)
 
     def retry(carry):
         i, *_ = carry
-        return (i + 1, *propose(_uniform_pairs(random.fold_in(retry_key, i), (3,), w.dtype)))
+        return (i + 1, *propose(uniform_pairs(random.fold_in(retry_key, i), (3,), w.dtype)))
 
     _, theta, precision, ok = lax.while_loop(
         lambda c: (~c[3]) & (c[0] < max_tries), retry, (jnp.int32(1), theta, precision, ok)
@@ -767,7 +761,7 @@ class BernsteinSheldonRegression(ConstrainedGibbsKernel):
     **Example**
 
     >>> import jax, jax.numpy as jnp
-    >>> import d3pext.regression
+    >>> import d3pext.inference.regression
     >>> from d3pext.handlers import make_release, private_posterior
     >>> from d3pext.models.constrained_regression import (
     ...     BROWNLEE_LIKE, private_constrained_regression, simulate_drinking_cirrhosis)
@@ -787,7 +781,7 @@ class BernsteinSheldonRegression(ConstrainedGibbsKernel):
     ) -> None:
         self._model = model
         self.spec = spec
-        self.n = _check_n(num_records)
+        self.n = check_num_records(num_records)
         scale = float(noise_scale)
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"The Laplace scale of the release must be positive, got {scale}.")
@@ -820,7 +814,7 @@ class BernsteinSheldonRegression(ConstrainedGibbsKernel):
         # with equality (e.g. sum u v = sum v when u = 1), which rejection never hits
         moments = (n * project_moments(sums / n) + 1.0 / jnp.arange(2.0, 6.0)) / (n + 1)
         s = project_statistics(released, n, spec.constrained)
-        w = _uniform_pairs(key_params, (3,), dtype)
+        w = uniform_pairs(key_params, (3,), dtype)
         theta, sigma2 = _parameter_update(w, key_params, s, n, spec.prior, spec.constrained, spec.max_tries)
         b0, b1, b2 = spec.sites
         z = {b0: theta[0], b1: theta[1], b2: sigma2}
@@ -837,7 +831,7 @@ class BernsteinSheldonRegression(ConstrainedGibbsKernel):
 
     def sample(self, state, model_args, model_kwargs):
         next_key, key_draw, key_s, key_p = random.split(state.rng_key, 4)
-        w = _uniform_pairs(key_draw, (_NUM_PAIRS,), state.released.dtype)
+        w = uniform_pairs(key_draw, (_NUM_PAIRS,), state.released.dtype)
         spec, n = self.spec, self.n
         b0, b1, b2 = spec.sites
         z = dict(state.z)
@@ -856,7 +850,7 @@ class BernsteinSheldonRegression(ConstrainedGibbsKernel):
         if not self.naive:
             gap = jnp.abs(state.released - s)
             z[self._names["stat"]] = s
-            z[self._names["noise_var"]] = _mixing_variance(w[:, 8:], gap, self.noise_scale)
+            z[self._names["noise_var"]] = mixing_variance_from_uniforms(w[:, 8:], gap, self.noise_scale)
         return RegressionState(z, state.released, state.moments, next_key)
 
     def postprocess_fn(self, model_args, model_kwargs):
@@ -875,11 +869,9 @@ class BernsteinSheldonRegression(ConstrainedGibbsKernel):
 # The backends
 
 
-def _build(pm, naive: bool) -> BernsteinSheldonRegression:
-    from d3pext.handlers.posterior import NotApplicable
-
+def _build(pm: PrivateModel, naive: bool) -> BernsteinSheldonRegression:
     spec = pm.declaration(
-        SPEC_KEY, "declare the coefficients and variance with d3pext.regression.regression_prior(...)")
+        SPEC_KEY, "declare the coefficients and variance with d3pext.inference.regression.regression_prior(...)")
     infos = {}
     for name, shape in ((spec.stats_release, (5,)), (spec.moments_release, (4,))):
         if name not in pm.releases:
@@ -894,7 +886,7 @@ def _build(pm, naive: bool) -> BernsteinSheldonRegression:
             )
         if tuple(info.stat_shape) != shape:
             raise ValueError(f"The release {name!r} must have shape {shape}, got {info.stat_shape}.")
-        value_shape = np.shape(pm.trace[name]["value"])
+        value_shape = np.shape(pm.sites[name].value)
         if value_shape != shape:
             raise ValueError(f"The release {name!r} must have shape {shape}, got {value_shape}.")
         infos[name] = info
@@ -910,15 +902,15 @@ def _build(pm, naive: bool) -> BernsteinSheldonRegression:
     if len(n) != 1:
         raise ValueError(f"The two releases are of different numbers of records {sorted(n)}.")
     return BernsteinSheldonRegression(
-        pm.model, spec, _check_n(n.pop()), infos[spec.stats_release].mechanism.scale, naive=naive
+        pm.model, spec, check_num_records(n.pop()), infos[spec.stats_release].mechanism.scale, naive=naive
     )
 
 
-def _register() -> None:
-    from d3pext.handlers.posterior import register_backend
-
-    register_backend("gibbs", "bernstein-sheldon-regression")(lambda pm, options: _build(pm, False))
-    register_backend("naive", "bernstein-sheldon-regression")(lambda pm, options: _build(pm, True))
+def regression_kernel(pm: PrivateModel, options: dict) -> BernsteinSheldonRegression:
+    """The ``"gibbs"`` backend: Gibbs-SS-Noisy, with Kazan & Reiter's constraints if declared."""
+    return _build(pm, naive=False)
 
 
-_register()
+def naive_regression_kernel(pm: PrivateModel, options: dict) -> BernsteinSheldonRegression:
+    """The ``"naive"`` backend: the released statistics taken as exact."""
+    return _build(pm, naive=True)

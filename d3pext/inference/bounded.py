@@ -20,7 +20,7 @@ original scale. One sweep (Appendix D and the R code of Appendix L), on the ``[0
    ``1/2 +- sqrt(1/4 - (n - 1) S^2 / n)`` (Theorem 3);
 4. ``1 / omega^2``: inverse Gaussian (the Laplace noise of the mean as a scale mixture);
 5. ``S^2``: ``TGM((n - 1) / 2, (n - 1) / (2 sigma^2), lam2, S^2 released, upper)`` with
-   ``upper = n Ybar (1 - Ybar) / (n - 1)`` under constraints (:mod:`d3pext.tgm`).
+   ``upper = n Ybar (1 - Ybar) / (n - 1)`` under constraints (:mod:`d3pext.distributions.truncated_gamma`).
 
 ``lam1 = epsilon1 n`` and ``lam2 = epsilon2 n`` are the Laplace rates on the ``[0, 1]`` scale.
 
@@ -59,9 +59,17 @@ from numpyro.distributions import constraints
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.initialization import init_to_uniform
 
-from d3pext.gibbs import ConstrainedGibbsKernel, _mixing_variance, _truncated_normal, _uniform_pairs
-from d3pext.mechanisms import LaplaceMechanism
-from d3pext.tgm import TruncatedGammaMixture, truncated_gamma_icdf
+from d3pext.inference.draws import (
+    mixing_variance_from_uniforms,
+    truncated_normal_from_uniforms,
+    uniform_pairs,
+)
+from d3pext.distributions.expfam import record_distribution
+from d3pext.inference.gibbs_base import ConstrainedGibbsKernel
+from d3pext.inference.structure import NotApplicable, PrivateModel
+from d3pext.releases.mechanisms import LaplaceMechanism
+from d3pext.distributions.truncated_gamma import TruncatedGammaMixture, truncated_gamma_icdf
+from d3pext.validation import check_bounds
 
 __all__ = [
     "BoundedGaussianSpec",
@@ -188,15 +196,6 @@ def check_prior(prior: Prior, n: int | None = None, constrained: bool = False) -
     )
 
 
-def _check_bounds(bounds) -> tuple[float, float]:
-    if bounds is None or len(bounds) != 2:
-        raise ValueError(f"bounds must be a pair (a, b), got {bounds!r}.")
-    a, b = (float(v) for v in bounds)
-    if not (math.isfinite(a) and math.isfinite(b) and a < b):
-        raise ValueError(f"bounds must be finite with a < b, got ({a}, {b}).")
-    return a, b
-
-
 @dataclass(frozen=True)
 class BoundedGaussianSpec:
     """What the backend needs to know about the parameters of a bounded Gaussian model."""
@@ -232,7 +231,7 @@ def bounded_gaussian_prior(
     ['feasible', 'mu', 'sigma2']
     """
     check_prior(prior, constrained=constrained)
-    a, b = _check_bounds(bounds)
+    a, b = check_bounds("bounds", bounds)
     spec = BoundedGaussianSpec(prior, (a, b), bool(constrained), mean_site, var_site)
     infer = {PRIOR_KEY: spec}
     if isinstance(prior, NormalInverseGamma):
@@ -269,7 +268,7 @@ def to_unit_scale(bounds, mean: Any, variance: Any) -> tuple[Any, Any]:
     >>> to_unit_scale((0.0, 100.0), 34.3027, 2224.80)
     (0.343027, 0.22248)
     """
-    a, b = _check_bounds(bounds)
+    a, b = check_bounds("bounds", bounds)
     return (mean - a) / (b - a), variance / (b - a) ** 2
 
 
@@ -279,7 +278,7 @@ def from_unit_scale(bounds, mean: Any, variance: Any) -> tuple[Any, Any]:
     >>> from_unit_scale((0.0, 100.0), 0.5, 0.25)
     (50.0, 2500.0)
     """
-    a, b = _check_bounds(bounds)
+    a, b = check_bounds("bounds", bounds)
     return a + (b - a) * mean, variance * (b - a) ** 2
 
 
@@ -289,7 +288,7 @@ def sigma2_cap(n: int, epsilon2: float, bounds=(0.0, 1.0)) -> float:
     >>> round(sigma2_cap(43, 0.25, (0.0, 100.0)), 1)
     19534.9
     """
-    a, b = _check_bounds(bounds)
+    a, b = check_bounds("bounds", bounds)
     return (b - a) ** 2 * (n - 1) / (2 * n * epsilon2)
 
 
@@ -330,12 +329,12 @@ def posterior_predictive(
     True
     """
     mu, sigma2 = jnp.broadcast_arrays(jnp.asarray(mu), jnp.asarray(sigma2))
-    w = _uniform_pairs(rng_key, mu.shape, jnp.result_type(mu.dtype, float))
+    w = uniform_pairs(rng_key, mu.shape, jnp.result_type(mu.dtype, float))
     if bounds is None:
         low, high = -jnp.inf, jnp.inf
     else:
-        low, high = _check_bounds(bounds)
-    return _truncated_normal(w, mu, jnp.sqrt(sigma2), low, high)
+        low, high = check_bounds("bounds", bounds)
+    return truncated_normal_from_uniforms(w, mu, jnp.sqrt(sigma2), low, high)
 
 
 def fraction_infeasible(mu: Any, sigma2: Any, bounds: tuple[float, float]) -> jax.Array:
@@ -345,7 +344,7 @@ def fraction_infeasible(mu: Any, sigma2: Any, bounds: tuple[float, float]) -> ja
     >>> float(fraction_infeasible([10.0, 50.0, -1.0], [50.0, 3000.0, 1.0], (0.0, 100.0)))
     0.666...
     """
-    a, b = _check_bounds(bounds)
+    a, b = check_bounds("bounds", bounds)
     mu, sigma2 = jnp.asarray(mu), jnp.asarray(sigma2)
     ok = (mu >= a) & (mu <= b) & (sigma2 <= (mu - a) * (b - mu))
     return 1.0 - jnp.mean(ok, axis=-1)
@@ -472,7 +471,7 @@ class KazanReiterGibbs(ConstrainedGibbsKernel):
 
     def sample(self, state, model_args, model_kwargs):
         next_key, key_draw = random.split(state.rng_key)
-        w = _uniform_pairs(key_draw, (5,), state.released.dtype)
+        w = uniform_pairs(key_draw, (5,), state.released.dtype)
         z = self._sweep(state.z, state.released, w)
         return KazanReiterState(z, state.released, next_key)
 
@@ -502,7 +501,7 @@ class KazanReiterGibbs(ConstrainedGibbsKernel):
             low, high = 0.5 - half, 0.5 + half
         else:
             low, high = -unbounded, unbounded
-        mu = _truncated_normal(w[:, 0], loc, jnp.sqrt(1 / prec), low, high)
+        mu = truncated_normal_from_uniforms(w[:, 0], loc, jnp.sqrt(1 / prec), low, high)
 
         # 2. 1 / sigma^2 | mu, Ybar, S^2: truncated gamma
         rate = ((n - 1) * s2 + n * (ybar - mu) ** 2) / 2
@@ -531,10 +530,10 @@ class KazanReiterGibbs(ConstrainedGibbsKernel):
         if spec.constrained:
             half = jnp.sqrt(jnp.clip(0.25 - (n - 1) / n * s2, 0.0))
             low, high = 0.5 - half, 0.5 + half
-        ybar = _truncated_normal(w[:, 2], loc, jnp.sqrt(1 / prec), low, high)
+        ybar = truncated_normal_from_uniforms(w[:, 2], loc, jnp.sqrt(1 / prec), low, high)
 
         # 4. omega^2 | Ybar: Laplace scale mixture (precision inverse Gaussian)
-        omega2 = _mixing_variance(w[:, 3], jnp.abs(ym - ybar), 1 / self.lam1)
+        omega2 = mixing_variance_from_uniforms(w[:, 3], jnp.abs(ym - ybar), 1 / self.lam1)
 
         # 5. S^2 | sigma^2, Ybar: truncated gamma mixture
         upper = n / (n - 1) * ybar * (1 - ybar) if spec.constrained else unbounded
@@ -558,10 +557,7 @@ class KazanReiterGibbs(ConstrainedGibbsKernel):
 # The backends
 
 
-def _build(pm, naive: bool) -> KazanReiterGibbs:
-    from d3pext.expfam import record_distribution
-    from d3pext.handlers.posterior import NotApplicable
-
+def _build(pm: PrivateModel, naive: bool) -> KazanReiterGibbs:
     bounded = {k: i for k, i in pm.releases.items() if i.statistic in ("sample_mean", "sample_variance")}
     if not bounded:
         raise NotApplicable(
@@ -593,7 +589,7 @@ def _build(pm, naive: bool) -> KazanReiterGibbs:
                 f"{type(info.mechanism).__name__}."
             )
     try:
-        record = record_distribution(pm.trace[mean_info.source]["fn"])
+        record = record_distribution(pm.sites[mean_info.source].fn)
     except ValueError as e:
         raise NotApplicable(f"records of {mean_info.source!r}: {e}") from e
     if not isinstance(record, dist.Normal):
@@ -601,7 +597,7 @@ def _build(pm, naive: bool) -> KazanReiterGibbs:
             f"Kazan & Reiter needs normal records, {mean_info.source!r} is {type(record).__name__}."
         )
     spec = pm.declaration(
-        PRIOR_KEY, "declare the mean and variance with d3pext.bounded.bounded_gaussian_prior(...)")
+        PRIOR_KEY, "declare the mean and variance with d3pext.inference.bounded.bounded_gaussian_prior(...)")
     other = set(pm.latent) - {spec.mean_site, spec.var_site, mean_info.source}
     if other:
         raise NotApplicable(f"latent sites {sorted(other)} have no Kazan & Reiter update.")
@@ -610,7 +606,7 @@ def _build(pm, naive: bool) -> KazanReiterGibbs:
             f"The prior's bounds {spec.bounds} differ from the release bounds {mean_info.bounds}."
         )
     for name in (mean_name, var_name):
-        shape = np.shape(pm.trace[name]["value"])
+        shape = np.shape(pm.sites[name].value)
         if shape != ():
             raise ValueError(f"The release {name!r} must be a scalar, got shape {shape}.")
     n = mean_info.num_records
@@ -623,11 +619,11 @@ def _build(pm, naive: bool) -> KazanReiterGibbs:
     return KazanReiterGibbs(pm.model, spec, mean_name, var_name, n, rates, naive=naive)
 
 
-def _register() -> None:
-    from d3pext.handlers.posterior import register_backend
-
-    register_backend("gibbs", "kazan-reiter")(lambda pm, options: _build(pm, naive=False))
-    register_backend("naive", "kazan-reiter")(lambda pm, options: _build(pm, naive=True))
+def kazan_reiter_kernel(pm: PrivateModel, options: dict) -> KazanReiterGibbs:
+    """The ``"gibbs"`` backend: exact TGM Gibbs given the released mean and variance."""
+    return _build(pm, naive=False)
 
 
-_register()
+def naive_bounded_kernel(pm: PrivateModel, options: dict) -> KazanReiterGibbs:
+    """The ``"naive"`` backend: the released mean and variance taken as exact."""
+    return _build(pm, naive=True)

@@ -154,7 +154,7 @@ def family_of(fn: Distribution) -> ExpFamily:
             return _FAMILIES[cls](base)
     raise ValueError(
         f"No exponential family is registered for {type(base).__name__}; registered: "
-        f"{sorted(c.__name__ for c in _FAMILIES)}. Use d3pext.expfam.register_family."
+        f"{sorted(c.__name__ for c in _FAMILIES)}. Use d3pext.distributions.expfam.register_family."
     )
 
 

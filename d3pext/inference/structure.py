@@ -1,0 +1,194 @@
+"""What an inference backend sees of a privatized model: :class:`PrivateModel`.
+
+:func:`inspect_model` traces the privatized model, conditioned on its releases, once under
+``jit`` and hands back only concrete metadata (:class:`Site`: distribution, value, plates and the
+static ``infer`` entries of each sample site; the :class:`~d3pext.releases.info.ReleaseInfo` of
+each release), never a trace of tracers. Backends build their kernels from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import jax
+from jax import random
+
+from numpyro.handlers import condition, seed, substitute, trace
+from numpyro.infer.initialization import init_to_uniform
+from numpyro.primitives import CondIndepStackFrame
+
+from d3pext.distributions.expfam import conjugate_parameters, record_distribution
+from d3pext.releases.info import ReleaseInfo, release_sites
+
+__all__ = [
+    "RELEASES_KWARG",
+    "NotApplicable",
+    "PrivateModel",
+    "Site",
+    "conditioned_releases",
+    "inspect_model",
+    "released",
+]
+
+
+class NotApplicable(Exception):
+    """Raised by a backend whose method does not cover the model; the message says why."""
+
+
+@dataclass(frozen=True)
+class Site:
+    """Concrete metadata of one sample site of a privatized model.
+
+    :param name: the site name.
+    :param fn: its distribution, with concrete parameters.
+    :param value: its value (the data for observed sites; a draw for latent ones).
+    :param is_observed: whether the site is observed.
+    :param infer: the site's static ``infer`` entries (array-valued ones are dropped).
+    :param plates: the site's plates, innermost first.
+    """
+
+    name: str
+    fn: Any
+    value: Any
+    is_observed: bool
+    infer: Mapping[str, Any] = field(default_factory=dict)
+    plates: tuple[CondIndepStackFrame, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrivateModel:
+    """What a backend sees: the privatized model conditioned on the releases, and its sites.
+
+    :param model: the conditioned privatized model (release values arrive through
+        ``model_kwargs[RELEASES_KWARG]``, see :func:`released`).
+    :param sites: the sample sites, by name (:class:`Site`).
+    :param releases: the release sites' :class:`~d3pext.releases.info.ReleaseInfo`.
+    :param values: concrete values of the latent sites (drawn uniformly in the unconstrained
+        space, fixed key) and of the record parameters, keyed ``"source:parameter"``.
+    """
+
+    model: Callable
+    sites: Mapping[str, Site]
+    releases: Mapping[str, ReleaseInfo]
+    values: Mapping[str, Any]
+
+    @property
+    def latent(self) -> tuple[str, ...]:
+        return tuple(name for name, site in self.sites.items() if not site.is_observed)
+
+    def declaration(self, key: str, how: str) -> Any:
+        """The one value that sample sites declare under ``infer[key]`` (e.g. a backend's prior
+        spec); :class:`NotApplicable` saying ``how`` to declare it when there is none or several."""
+        found = [site.infer[key] for site in self.sites.values() if key in site.infer]
+        if len(found) != 1:
+            raise NotApplicable(f"{how} (found {len(found)} declarations).")
+        return found[0]
+
+
+def conditioned_releases(model: Callable) -> dict:
+    """Data of the ``condition`` handlers wrapped around ``model`` (outermost first)."""
+    data = {}
+    fn = model
+    while fn is not None:
+        if isinstance(fn, condition) and fn.data is not None:
+            data = {**fn.data, **data}
+        fn = getattr(fn, "fn", None)
+    return data
+
+
+RELEASES_KWARG = "_d3pext_releases"
+"""Reserved model keyword through which release values reach the conditioned model."""
+
+
+def _released_model(model: Callable, *args: Any, **kwargs: Any) -> Any:
+    data = kwargs.pop(RELEASES_KWARG, None)
+    with condition(data=data or {}):
+        return model(*args, **kwargs)
+
+
+def released(model: Callable) -> Callable:
+    """``model`` conditioned on the releases passed as ``model_kwargs[RELEASES_KWARG]``.
+
+    Passing the releases as an argument rather than closing over them lets one compiled sampler
+    serve many releases (:func:`~d3pext.handlers.sample_releases`).
+    """
+    if isinstance(model, partial) and model.func is _released_model:
+        return model
+    return partial(_released_model, model)
+
+
+def _is_static(value: Any) -> bool:
+    return not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(value))
+
+
+def inspect_model(
+    model: Callable, data: Mapping[str, Any] | None, model_args: tuple, model_kwargs: dict
+) -> PrivateModel:
+    """Trace the privatized ``model`` conditioned on ``data`` and check the conditioning.
+
+    The trace runs once under ``jit`` (cheap to compile, no eager dispatch). Its distributions
+    and values come out of ``jit`` as concrete arrays; plates, observation flags and the static
+    ``infer`` entries are read during tracing. Nothing traced escapes.
+    """
+    data = dict(data or {})
+    conditioned_model = released(model)
+    model_kwargs = {**model_kwargs, RELEASES_KWARG: data}
+    static = {}
+
+    def run():
+        tr = trace(
+            substitute(seed(conditioned_model, random.key(0)), substitute_fn=init_to_uniform)
+        ).get_trace(*model_args, **model_kwargs)
+        samples = {name: site for name, site in tr.items() if site["type"] == "sample"}
+        static["sites"] = {
+            name: (
+                bool(site["is_observed"]),
+                {k: v for k, v in (site.get("infer") or {}).items() if _is_static(v)},
+                tuple(site["cond_indep_stack"]),
+            )
+            for name, site in samples.items()
+        }
+        values = {name: site["value"] for name, site in samples.items() if not site["is_observed"]}
+        for info in release_sites(tr).values():
+            try:
+                record = record_distribution(tr[info.source]["fn"])
+            except ValueError:
+                continue
+            for param in conjugate_parameters(record):
+                values[f"{info.source}:{param}"] = getattr(record, param)
+        fns = {name: (site["fn"], site["value"]) for name, site in samples.items()}
+        return fns, values
+
+    fns, values = jax.device_get(jax.jit(run)())
+    sites = {
+        name: Site(name, fns[name][0], fns[name][1], observed, infer, plates)
+        for name, (observed, infer, plates) in static["sites"].items()
+    }
+    releases = {
+        name: site.infer["privatize"] for name, site in sites.items() if "privatize" in site.infer
+    }
+    if not releases:
+        raise ValueError("The model has no release sites: wrap it with privatize(...).")
+    given = {**conditioned_releases(model), **data}
+    unknown = sorted(set(given) - set(sites))
+    if unknown:
+        raise ValueError(
+            f"Conditioning on {unknown}, which the privatized model does not have; its release "
+            f"sites are {sorted(releases)}."
+        )
+    missing = sorted(name for name in releases if not sites[name].is_observed)
+    if missing:
+        raise ValueError(
+            f"The release sites {missing} are not observed: pass the release values, "
+            f"e.g. data={{{missing[0]!r}: value}}."
+        )
+    for name, info in releases.items():
+        if sites[info.source].is_observed:
+            raise ValueError(
+                f"The confidential site {info.source!r} of release {name!r} is observed; the "
+                "analyst's model must leave it latent (pass no confidential data)."
+            )
+    return PrivateModel(conditioned_model, sites, releases, values)
