@@ -12,12 +12,15 @@ releases at once, for calibration studies.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 import jax
 from jax import lax, random
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from numpyro.infer import MCMC
 from numpyro.infer.mcmc import MCMCKernel
@@ -184,8 +187,13 @@ def _release_sampler(
     model_kwargs: dict,
     num_warmup: int,
     num_samples: int,
+    devices: tuple,
 ) -> Callable:
     """The compiled ``(keys (M, chains), *releases (M, ...)) -> samples`` of :func:`sample_releases`.
+
+    With several ``devices`` the flattened (data set, chain) axis is split over them with
+    ``jax.shard_map`` (padded to a multiple of the device count, the padding dropped): each device
+    runs its chains alone, with no communication.
 
     Cached (LRU) on the model object and the static arguments, so that calling
     :func:`sample_releases` again with other releases or keys (same ``M`` and number of chains)
@@ -195,7 +203,7 @@ def _release_sampler(
     try:
         cache_key = (
             model, names, method, sections, model_args, tuple(sorted(model_kwargs.items())),
-            num_warmup, num_samples,
+            num_warmup, num_samples, devices,
         )
         hash(cache_key)
     except TypeError:  # unhashable model arguments (arrays): build without caching
@@ -227,14 +235,25 @@ def _release_sampler(
         _, draws = lax.fori_loop(0, num_warmup + num_samples, sweep, (state, draws))
         return jax.vmap(inner.postprocess_fn(model_args, kwargs))(draws)
 
+    run_chains = jax.vmap(run_chain)
+    if len(devices) > 1:
+        mesh = Mesh(np.array(devices), ("chains",))
+        run_chains = jax.shard_map(
+            run_chains, mesh=mesh, in_specs=PartitionSpec("chains"), out_specs=PartitionSpec("chains"),
+            check_vma=False,  # the kernels' loop carries start device-invariant
+        )
+
     @jax.jit
     def sampler(keys, *values):
         # one vmap over the flattened (data set, chain) axis: nested vmaps compile to a sweep
         # three times slower (and take twice as long to compile) on CPU
         num_sets, num_chains = keys.shape
-        flat = [jnp.repeat(v, num_chains, axis=0) for v in values]
-        draws = jax.vmap(run_chain)(keys.reshape(-1), *flat)
-        return jax.tree.map(lambda d: d.reshape(num_sets, num_chains, *d.shape[1:]), draws)
+        total = num_sets * num_chains
+        pad = -total % len(devices)
+        flat = [keys.reshape(-1)] + [jnp.repeat(v, num_chains, axis=0) for v in values]
+        flat = [jnp.concatenate([v, v[:pad]]) if pad else v for v in flat]
+        draws = run_chains(*flat)
+        return jax.tree.map(lambda d: d[:total].reshape(num_sets, num_chains, *d.shape[1:]), draws)
 
     if cache_key is not None:
         _SAMPLER_CACHE[cache_key] = sampler
@@ -253,6 +272,7 @@ def sample_releases(
     num_samples: int = 1000,
     num_chains: int = 1,
     sections: str = "joint",
+    devices: Sequence[jax.Device] | None = None,
     **model_kwargs: Any,
 ) -> dict[str, jax.Array]:
     """Posterior samples for many independent releases in one compiled call.
@@ -260,7 +280,9 @@ def sample_releases(
     Each value of ``releases`` has a leading axis of ``M`` data sets; the result has shape
     ``(M, num_chains, num_samples, ...)`` per site. Use it for calibration studies. The
     compiled sampler is cached: a second call with the same model, settings and shapes (any
-    release values and key) only runs.
+    release values and key) only runs. The ``M x num_chains`` chains are spread over
+    ``devices`` (default: all local devices of the default backend); the draws do not depend
+    on the device count.
 
     >>> import jax.numpy as jnp
     >>> from jax import random
@@ -282,8 +304,11 @@ def sample_releases(
     num_sets = values[0].shape[0]
     if any(v.shape[0] != num_sets for v in values):
         raise ValueError("All releases must have the same leading (data set) axis.")
+    devices = tuple(jax.local_devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("devices must name at least one device.")
     sampler = _release_sampler(
         model, names, {k: v[0] for k, v in zip(names, values)}, method, sections, model_args,
-        model_kwargs, num_warmup, num_samples,
+        model_kwargs, num_warmup, num_samples, devices,
     )
     return sampler(random.split(rng_key, (num_sets, num_chains)), *values)

@@ -348,3 +348,30 @@ def test_releases_follow_their_laws_slow():
     noise = np.asarray(geo.release(jax.random.PRNGKey(33), jnp.zeros(n, jnp.int32)))
     support = np.arange(-60, 61)
     assert _chi_square_pvalue(noise, st.dlaplace(0.05).pmf, support) > GOF_THRESHOLD
+
+
+def test_release_refuses_nonfinite_values_and_warns_on_explicit_keys():
+    import warnings
+
+    from d3pext.releases.mechanisms import ReproducibleReleaseWarning
+
+    m = LaplaceMechanism(1.0, sensitivity=1.0)
+    for bad in (float("nan"), float("inf"), jnp.array([1.0, -jnp.inf])):
+        with pytest.raises(ValueError, match="non-finite"):
+            m.release(None, bad)
+    with pytest.warns(ReproducibleReleaseWarning, match="explicit key"):
+        m.release(jax.random.key(0), 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.release(jax.random.key(0), 1.0, reproducible=True)  # the opt-out for tests
+        m.release(None, 1.0)  # OS entropy: no warning
+    # the same key gives the same noise; no key gives fresh noise
+    assert m.release(jax.random.key(0), 1.0, reproducible=True) == m.release(jax.random.key(0), 1.0, reproducible=True)
+    assert m.release(None, 1.0) != m.release(None, 1.0)
+
+
+def test_geometric_mechanism_needs_an_integer_sensitivity():
+    # integer releases of neighbours differ by >= 1: sensitivity 0.5 would double the true epsilon
+    with pytest.raises(ValueError, match="positive integer"):
+        GeometricMechanism(1.0, sensitivity=0.5)
+    assert GeometricMechanism(1.0, sensitivity=2.0).alpha == pytest.approx(math.exp(-0.5))

@@ -162,7 +162,10 @@ def inspect_model(
         fns = {name: (site["fn"], site["value"]) for name, site in samples.items()}
         return fns, values
 
-    fns, values = jax.device_get(jax.jit(run)())
+    # concrete even when called under an outer trace (chain_method="parallel" initialises kernels
+    # inside pmap): the model arguments are concrete, so the jitted trace can run now
+    with jax.ensure_compile_time_eval():
+        fns, values = jax.device_get(jax.jit(run)())
     sites = {
         name: Site(name, fns[name][0], fns[name][1], observed, infer, plates)
         for name, (observed, infer, plates) in static["sites"].items()

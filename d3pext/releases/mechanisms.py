@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 import math
+import warnings
 from typing import ClassVar, Optional
 
 import jax
@@ -45,6 +46,7 @@ from d3pext.prng import secure_key
 from d3pext.validation import check_positive, check_positive_int, check_real
 
 __all__ = [
+    "ReproducibleReleaseWarning",
     "BinomialMechanism",
     "GaussianMechanism",
     "GeometricMechanism",
@@ -53,6 +55,21 @@ __all__ = [
 ]
 
 Array = jax.Array
+
+
+class ReproducibleReleaseWarning(UserWarning):
+    """A release drawn from an explicit key: anyone who has the key can reproduce its noise."""
+
+
+def warn_reproducible(stacklevel: int = 2) -> None:
+    """Warn that a release uses an explicit key (:class:`ReproducibleReleaseWarning`)."""
+    warnings.warn(
+        "this release draws its noise from an explicit key, so anyone who has the key can "
+        "reproduce the noise and subtract it. Pass rng_key=None for a real release (OS entropy), "
+        "or reproducible=True to say that this is a simulation or a test.",
+        ReproducibleReleaseWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 @partial(jax.jit, static_argnums=0)
@@ -151,18 +168,32 @@ class Mechanism(abc.ABC):
     def _check_value(self, value: ArrayLike) -> None:
         """Curator-side checks of a concrete confidential value (none by default)."""
 
-    def release(self, rng_key: Optional[Array], value: ArrayLike) -> Array:
+    def release(
+        self, rng_key: Optional[Array], value: ArrayLike, *, reproducible: bool = False
+    ) -> Array:
         """Draw a release of ``value`` (the curator's side).
 
-        :param rng_key: a PRNG key, or ``None`` to draw the noise from OS entropy (what a real
-            release should do; pass a key only for simulations and tests).
-        :param value: the confidential statistic.
+        :param rng_key: ``None`` (the default, what a real release should do) draws the noise
+            from a ChaCha20 key seeded by OS entropy (:func:`d3pext.prng.secure_key`). A key makes
+            the noise reproducible by anyone who has it: it warns
+            (:class:`ReproducibleReleaseWarning`) unless ``reproducible=True``, for simulations
+            and tests.
+        :param value: the confidential statistic; it must be finite.
         """
         self._require_sensitivity()
         if not_jax_tracer(value):
+            finite = np.isfinite(np.asarray(value, dtype=float))
+            if not finite.all():
+                raise ValueError(
+                    f"{type(self).__name__}.release: the confidential value has "
+                    f"{int((~finite).sum())} non-finite entries (nan/inf); a release of it would "
+                    "be non-finite or reveal it. Check the data and the statistic."
+                )
             self._check_value(value)
         if rng_key is None:
             rng_key = secure_key()
+        elif not reproducible:
+            warn_reproducible(stacklevel=3)
         return _draw(self, rng_key, jnp.asarray(value))
 
     def _draw(self, rng_key: Array, value: Array) -> Array:
@@ -183,7 +214,7 @@ class LaplaceMechanism(Mechanism):
     >>> m = LaplaceMechanism(0.5, sensitivity=2.0)
     >>> m.scale
     4.0
-    >>> y = m.release(jax.random.PRNGKey(0), 10.0)  # seeded for the example only
+    >>> y = m.release(jax.random.PRNGKey(0), 10.0, reproducible=True)  # seeded: an example
     >>> m.cost().epsilon
     0.5
     """
@@ -338,7 +369,7 @@ class GeometricMechanism(Mechanism):
     >>> m = GeometricMechanism(1.0)
     >>> round(m.alpha, 4)
     0.3679
-    >>> m.release(jax.random.PRNGKey(0), 7).dtype  # seeded for the example only
+    >>> m.release(jax.random.PRNGKey(0), 7, reproducible=True).dtype  # seeded: an example
     dtype('int32')
     """
 
@@ -350,6 +381,13 @@ class GeometricMechanism(Mechanism):
     def __post_init__(self) -> None:
         object.__setattr__(self, "epsilon", check_positive("epsilon", self.epsilon))
         self._validate_common()
+        if self.sensitivity is not None and self.sensitivity != int(self.sensitivity):
+            # integer releases of neighbours differ by at least ceil(sensitivity): a fraction
+            # would make the true epsilon ceil(sensitivity) / sensitivity times the stated one
+            raise ValueError(
+                "the geometric mechanism releases integers, so its sensitivity must be a positive integer "
+                f"(the largest L1 change of an integer statistic), got {self.sensitivity}"
+            )
 
     @classmethod
     def from_alpha(
