@@ -4,26 +4,37 @@ One step adds Gaussian noise of standard deviation ``sigma * C`` to the sum of p
 gradients clipped to norm ``C``, on a batch drawn with sampling rate ``q``; ``num_steps`` such steps
 are composed. Two neighbouring relations are supported (:class:`Relation`).
 
-The privacy loss distribution (PLD) of one step is discretised with fourier-accountant's
-formulas (Koskela, Jälkö & Honkela, 2020), Fourier-transformed once and raised to the power of each
-step count. A value is returned only after it has been checked:
+A single step (``num_steps = 1``) and full-batch steps (``q = 1``, the Gaussian mechanism) have
+closed forms: the privacy loss increases in the Gaussian output ``t`` and its inverse is explicit
+(Koskela, Jälkö & Honkela, 2020), so ``delta(epsilon)`` is a difference of Gaussian tails, evaluated
+in log space for any epsilon.
 
-* the grid window holds the composed PLD: a Chernoff bound from the one-step moment generating
-  function caps the mass that wraps around the circular convolution at ``1e-4 * delta``;
-* the discretised one-step PLD conserves probability mass over all compositions;
+Otherwise one step's privacy loss distribution (PLD) is discretised on a grid ``x_j = j dx`` by
+"connecting the dots" (Doroshenko et al., 2022): the exact P- and Q-probabilities of every cell
+``[x_j, x_j+1]`` (Gaussian tails at the explicit inverse of the loss) are split between the cell's two
+ends so that both are preserved. The result dominates the true PLD, so every delta and epsilon it
+gives is an upper bound, and halving ``dx`` can only lower it. The PLD is Fourier-transformed once and
+raised to the power of each step count; many steps are composed in blocks of about ``sqrt(T)`` steps,
+each block discretised again (by connecting the dots, still an upper bound) on a grid about
+``T^(1/4)`` times coarser, where the blocks are composed, so that neither grid needs more than a few
+``1e5`` points. A value is returned only after it has been checked:
+
+* the grid window holds the composed PLD: a Chernoff bound of the discretised PLD caps the mass
+  that wraps around the circular convolution at ``1e-4 * delta`` (and is added to delta);
+* the mass that one step puts beyond the window is counted as an infinite loss;
 * halving the grid step changes the result by less than a relative ``1e-4``;
 * epsilon comes from exact inversion of the piecewise-smooth ``delta(epsilon)`` of the composed
   discrete PLD, not from Newton's method.
 
 If the checks cannot be passed within the grid budget, the value comes from dp-accounting's PLD
 accountant (pessimistic, hence an upper bound), its discretisation refined until the value is
-stable; if that fails as well, :class:`AccountingError` is raised. Full-batch steps (``q = 1``) are
-Gaussian mechanisms and use the closed-form hockey-stick divergence.
+stable; if that fails as well, :class:`AccountingError` is raised.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from typing import Callable, NamedTuple, Sequence
 
@@ -31,9 +42,6 @@ import numpy as np
 import scipy.fft
 import scipy.optimize
 import scipy.special
-
-# Private function of fourier-accountant, pinned to ==0.12.11 in pyproject.toml; tested.
-from fourier_accountant.common import _evaluate_pld
 
 __all__ = [
     "AccountingError",
@@ -76,13 +84,13 @@ class SigmaResult(NamedTuple):
 
 # Checks and budgets of the Fourier path.
 _WRAP_FRACTION = 1e-4  # mass allowed to wrap around the window, relative to delta
-_MASS_TOL = 1e-3  # allowed |mass - 1| of the composed PLD (refinement checks the rest)
 _REFINE_RTOL = 1e-4  # allowed relative change of a result when the grid step is halved
 _EPS_ATOL = 1e-7  # absolute floor of that tolerance for epsilon close to 0
-_MAX_NX = 2**23  # points of the composed grid (about 400 MB of working memory)
-_MAX_NX_ONE_STEP = 2**21  # points on which fourier-accountant evaluates one step (~350 MB)
+_MAX_NX = 2**23  # points of each FFT grid (about 400 MB of working memory)
+_MAX_NX_ONE_STEP = 2**21  # cells of one step's discretised PLD
 _MAX_WINDOW = 600.0  # exp(x) must stay finite on the window
-_DX_COARSEST = 2.0**-7
+_DX_PER_STD = 2.0**-4  # first grid step, relative to the standard deviation of one step's loss
+_DX_COARSEST = 2.0**-4  # and at most this
 _DELTA_FLOOR = 1e-12  # delta() sizes its window for deltas down to this value
 # dp-accounting fallback.
 _DPA_RTOL = 2e-3
@@ -94,8 +102,8 @@ class _Untrusted(Exception):
     """The Fourier path cannot certify a value within its budget."""
 
 
-class _Unconverged(Exception):
-    """The grid step is too coarse: refine it."""
+class _OutOfWindow(_Untrusted):
+    """The privacy loss of the run reaches beyond the largest window of the Fourier path."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,12 +180,72 @@ def _log_p(sigma: float, q: float, t: np.ndarray) -> np.ndarray:
 
 def _privacy_loss(relation: Relation, sigma: float, q: float, t: np.ndarray) -> np.ndarray:
     s2 = 2.0 * sigma**2
+    log_1mq = math.log1p(-q) if q < 1.0 else -math.inf
     if relation is Relation.ADD_REMOVE:
-        return np.logaddexp(math.log1p(-q), math.log(q) + (2.0 * t - 1.0) / s2)
-    base = math.log1p(-q) - t**2 / s2
+        return np.logaddexp(log_1mq, math.log(q) + (2.0 * t - 1.0) / s2)
+    base = log_1mq - t**2 / s2
     return np.logaddexp(base, math.log(q) - (t - 1.0) ** 2 / s2) - np.logaddexp(
         base, math.log(q) - (t + 1.0) ** 2 / s2
     )
+
+
+def _inverse_loss(relation: Relation, sigma: float, q: float, x: np.ndarray) -> np.ndarray:
+    """The output t at which the loss l(t) = x (l increases in t); -inf for x <= log(1 - q) (add/remove).
+
+    Add/remove: ``t = s^2 log((e^x - 1 + q) / q) + 1/2``. Substitute: with ``a = q exp(-1/(2 s^2))``,
+    ``e^x = ((1-q) + a y) / ((1-q) + a / y)`` for ``y = exp(t / s^2)``, whose positive root is
+    ``log y = x/2 + asinh((1-q) sinh(x/2) / a)``. Both are evaluated in log space for any x.
+    """
+    x = np.asarray(x, dtype=float)
+    s2 = sigma**2
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if relation is Relation.ADD_REMOVE:
+            # log(e^x - (1 - q)) = x + log(1 - (1-q) e^-x), finite for x > log(1 - q).
+            log_excess = x + np.log1p(-(1.0 - q) * np.exp(-x))
+            t = s2 * (log_excess - math.log(q)) + 0.5
+            return np.where(x > (math.log1p(-q) if q < 1.0 else -math.inf), t, -np.inf)
+        z = 0.5 * np.abs(x)
+        log_a = math.log(q) - 0.5 / s2
+        log_v = math.log1p(-q) + z + np.log(-np.expm1(-2.0 * z)) - math.log(2.0) - log_a if q < 1.0 else -np.inf
+        log_v = np.broadcast_to(log_v, x.shape)
+        asinh_v = np.where(log_v > 20.0, log_v + math.log(2.0), np.arcsinh(np.exp(np.minimum(log_v, 20.0))))
+        return np.sign(x) * s2 * (z + asinh_v)
+
+
+def _gaussian_cells(mean: float, sigma: float, t: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """N(mean, sigma^2)-probabilities of the cells (t_k, t_k+1], of t <= t_0 and of t > t_-1,
+    accurate in both tails."""
+    z = (t - mean) / sigma
+    tail = scipy.special.ndtr(-np.abs(z))  # the smaller of the two tails, accurate
+    upper = z > 0.0
+    # Phi(z_k+1) - Phi(z_k) from the tails: both above 0, both below, or straddling 0.
+    cells = np.where(
+        upper[:-1], tail[:-1] - tail[1:], np.where(upper[1:], 1.0 - tail[1:] - tail[:-1], tail[1:] - tail[:-1])
+    )
+    return np.maximum(cells, 0.0), float(1.0 - tail[0] if upper[0] else tail[0]), float(tail[-1] if upper[-1] else 1.0 - tail[-1])
+
+
+def _one_step_pmf(relation: Relation, sigma: float, q: float, dx: float, j_lo: int, j_hi: int) -> tuple[np.ndarray, float]:
+    """One step's PLD on ``x_j = j dx``, ``j_lo <= j <= j_hi``, by connecting the dots; and the mass beyond.
+
+    The loss of cell ``[x_j, x_j+1]`` has P-probability ``m`` and Q-probability ``n = E_P[e^-l]``;
+    putting ``w1`` at ``x_j+1`` and ``m - w1`` at ``x_j`` with ``w1 e^-dx + (m - w1) = n e^{x_j}``
+    keeps both, and as a mean-preserving spread of ``e^-l`` it raises ``E_P[(1 - e^{eps - l})_+]`` (a
+    convex function of ``e^-l``) for every eps and every composition: the result dominates. Loss
+    below ``x_j_lo`` is rounded up to it; loss above ``x_j_hi`` (returned) counts as infinite.
+    """
+    grid = np.arange(j_lo, j_hi + 1) * dx
+    t = _inverse_loss(relation, sigma, q, grid)
+    # P = (1-q) N(0) + q N(1); Q = N(0) (add/remove) or (1-q) N(0) + q N(-1) (substitute).
+    (c0, b0, a0), (c1, b1, a1) = _gaussian_cells(0.0, sigma, t), _gaussian_cells(1.0, sigma, t)
+    m, below, above = (1.0 - q) * c0 + q * c1, (1.0 - q) * b0 + q * b1, (1.0 - q) * a0 + q * a1
+    n = c0 if relation is Relation.ADD_REMOVE else (1.0 - q) * c0 + q * _gaussian_cells(-1.0, sigma, t)[0]
+    w1 = np.clip((m - n * np.exp(grid[:-1])) / -math.expm1(-dx), 0.0, m)
+    pmf = np.zeros(grid.size)
+    pmf[:-1] += m - w1
+    pmf[1:] += w1
+    pmf[0] += below
+    return pmf, above
 
 
 class _Window(NamedTuple):
@@ -193,9 +261,10 @@ def _one_step_window(relation: Relation, sigma: float, q: float, tail: float) ->
     # Both mixture components put at most `tail` above 1 + z sigma and below -z sigma, and the loss
     # increases in t; the substitute loss is odd in t.
     above = float(_privacy_loss(relation, sigma, q, np.array(1.0 + z * sigma)))
-    if relation is Relation.ADD_REMOVE:
-        return _Window(-math.log1p(-q), above)  # the loss is bounded below by log(1 - q)
-    return _Window(float(_privacy_loss(relation, sigma, q, np.array(z * sigma))), above)
+    below = -float(_privacy_loss(relation, sigma, q, np.array(-z * sigma)))
+    if relation is Relation.ADD_REMOVE:  # the loss is bounded below by log(1 - q)
+        return _Window(min(below, -math.log1p(-q)), above)
+    return _Window(below, above)
 
 
 class _LossMGF:
@@ -214,10 +283,14 @@ class _LossMGF:
         t = np.linspace(-reach, 1.0 + reach, int(np.clip((2.0 * reach + 1.0) / step, 512, 20001)))
         log_p = _log_p(sigma, q, t) + math.log(t[1] - t[0])
         loss = _privacy_loss(relation, sigma, q, t)
-        self.log_mgf = {
-            sign: scipy.special.logsumexp(sign * self.lam[:, None] * loss + log_p, axis=1) for sign in (-1.0, 1.0)
-        }
-        self.mean = float(np.sum(np.exp(log_p) * loss))  # KL(P || Q)
+        self.log_mgf = {}
+        for sign in (-1.0, 1.0):
+            exponents = sign * self.lam[:, None] * loss + log_p
+            peak = exponents.max(axis=1)
+            self.log_mgf[sign] = peak + np.log(np.sum(np.exp(exponents - peak[:, None]), axis=1))
+        p = np.exp(log_p)
+        self.mean = float(np.sum(p * loss))  # KL(P || Q)
+        self.std = math.sqrt(max(float(np.sum(p * (loss - self.mean) ** 2)), 0.0))
 
     def tail_bound(self, sign: float, num_steps: int, log_tail: float) -> float:
         """w with P(sign * (sum of num_steps losses) > w) <= exp(log_tail) (Chernoff)."""
@@ -225,12 +298,13 @@ class _LossMGF:
 
 
 class _Plan(NamedTuple):
-    """Windows of one step and of the composition of ``max_steps`` steps."""
+    """Windows of one step and of the composition of ``max_steps`` steps (the latter for planning)."""
 
     one_step: _Window
     composed: _Window
     mgf: _LossMGF
     max_steps: int
+    log_tail: float
 
 
 def _plan(relation: Relation, sigma: float, q: float, max_steps: int, delta_scale: float) -> _Plan:
@@ -241,73 +315,247 @@ def _plan(relation: Relation, sigma: float, q: float, max_steps: int, delta_scal
     chernoff = _Window(mgf.tail_bound(-1.0, max_steps, log_tail), mgf.tail_bound(1.0, max_steps, log_tail))
     # The composed loss lies within T times one step's window; Chernoff is tighter for large T.
     composed = _Window(*(min(max_steps * a, max(c, a)) for a, c in zip(one_step, chernoff)))
-    return _Plan(one_step, composed, mgf, max_steps)
+    return _Plan(one_step, composed, mgf, max_steps, log_tail)
+
+
+# ---------------------------------------------------------------------------------------------
+# A single step, exactly: delta(eps) = P(t > t*) - e^eps Q(t > t*) with l(t*) = eps.
+
+
+def _single_step_log_delta(relation: Relation, sigma: float, q: float, eps: float) -> float:
+    """log delta(eps) of one step, eps >= 0, from Gaussian tails in log space (any eps, any sigma)."""
+    t = float(_inverse_loss(relation, sigma, q, np.array(eps)))
+    log_q, log_ndtr = math.log(q), scipy.special.log_ndtr
+    pos = log_q + float(log_ndtr((1.0 - t) / sigma))  # q P_1(t > t*): the mass that only P has
+    if relation is Relation.ADD_REMOVE:
+        # e^eps Q(t > t*) - (1-q) P_0(t > t*) = (e^eps - 1 + q) Phi(-t*/sigma)
+        log_scale = eps + math.log1p(-(1.0 - q) * math.exp(-eps))
+        neg = log_scale + float(log_ndtr(-t / sigma))
+    else:
+        # (e^eps - 1)(1-q) Phi(-t*/sigma) + e^eps q Phi(-(t*+1)/sigma)
+        first = eps + math.log(-math.expm1(-eps)) + math.log1p(-q) if eps > 0.0 and q < 1.0 else -math.inf
+        neg = np.logaddexp(first + float(log_ndtr(-t / sigma)), eps + log_q + float(log_ndtr(-(t + 1.0) / sigma)))
+    if neg >= pos:
+        return -math.inf
+    return pos + math.log(-math.expm1(neg - pos))
+
+
+def _log_delta_to_epsilon(log_delta: Callable[[float], float], target_delta: float) -> float:
+    """Smallest eps >= 0 with delta(eps) <= target_delta, for a decreasing log delta(eps)."""
+    log_target = math.log(target_delta)
+    if log_delta(0.0) <= log_target:
+        return 0.0
+    hi = 1.0
+    while log_delta(hi) > log_target:
+        hi *= 2.0
+    f = lambda e: max(log_delta(e), -1e4) - log_target
+    eps = scipy.optimize.brentq(f, 0.0 if hi == 1.0 else hi / 2.0, hi, xtol=1e-15, rtol=1e-15)
+    step = 1e-15
+    while f(eps) > 0.0:  # the root's upper side, where delta <= target
+        eps, step = eps + max(eps, 1e-12) * step, 2.0 * step
+    return eps
+
+
+def _single_step_epsilon(relation: Relation, sigma: float, q: float, target_delta: float) -> float:
+    if q == 1.0:
+        return _gaussian_epsilon(_full_batch_mu(relation, sigma, 1), target_delta)
+    return _log_delta_to_epsilon(lambda e: _single_step_log_delta(relation, sigma, q, e), target_delta)
 
 
 # ---------------------------------------------------------------------------------------------
 # The Fourier path.
 
 
-def _one_step_pmf(relation: Relation, sigma: float, q: float, dx: float, half: int) -> np.ndarray:
-    """Probabilities of one step's loss at ``x_j = (j - half) dx``, by fourier-accountant."""
-    code = "R" if relation is Relation.ADD_REMOVE else "S"
-    try:
-        with np.errstate(all="ignore"):
-            _, cfx, dx_fa = _evaluate_pld(code, np.array([sigma]), np.array([q]), np.array([1]), 2 * half, half * dx)
-    except (ValueError, OverflowError) as err:
-        raise _Untrusted(f"fourier-accountant failed: {err}") from err
-    if dx_fa != dx:  # exact: grid steps are powers of two
-        raise _Untrusted(f"fourier-accountant changed the grid step from {dx} to {dx_fa}")
-    pmf = np.real(cfx) * dx
-    if not np.all(np.isfinite(pmf)):
-        raise _Untrusted("fourier-accountant produced non-finite densities")
-    return pmf
+class _Lattice(NamedTuple):
+    """Probabilities ``pmf[i]`` of the loss ``(lo + i) h``."""
+
+    pmf: np.ndarray
+    lo: int
+    h: float
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.pmf.size - 1
+
+    @classmethod
+    def from_fft_order(cls, values: np.ndarray, n_neg: int, h: float) -> "_Lattice":
+        return cls(np.concatenate([values[values.size - n_neg :], values[: values.size - n_neg]]), -n_neg, h)
+
+    def in_fft_order(self, nx: int) -> np.ndarray:
+        """Length-``nx`` array with the probability of ``i h`` at ``i mod nx`` (the support must fit)."""
+        out = np.zeros(nx)
+        out[np.arange(self.lo, self.hi + 1) % nx] = self.pmf
+        return out
+
+    def log_mgf(self, lam: float) -> float:
+        """log E[exp(lam X)]."""
+        support = np.flatnonzero(self.pmf > 0.0)
+        exponents = np.log(self.pmf[support]) + lam * (self.lo + support) * self.h
+        peak = float(exponents.max())
+        return peak + math.log(float(np.sum(np.exp(exponents - peak))))
+
+    def folded(self, lo: int) -> "_Lattice":
+        """The loss below ``lo h`` rounded up to it (pessimistic)."""
+        if self.lo >= lo:
+            return self
+        cut = lo - self.lo
+        pmf = self.pmf[cut:].copy()
+        pmf[0] += np.sum(self.pmf[:cut])
+        return _Lattice(pmf, lo, self.h)
+
+    def coarsened(self, k: int) -> "_Lattice":
+        """Connect the dots onto the grid of step ``k h``: P- and Q-probabilities kept, pessimistic.
+
+        (Negative rounding noise of an FFT is dropped: added mass only raises delta.)
+        """
+        lo = self.lo // k
+        start = self.lo - lo * k
+        cells = np.zeros(-(-(start + self.pmf.size) // k) * k)
+        cells[start : start + self.pmf.size] = np.maximum(self.pmf, 0.0)
+        cells = cells.reshape(-1, k)  # row g: the points g k + j, j < k, between g k h and (g+1) k h
+        up = -np.expm1(-np.arange(k) * self.h) / -math.expm1(-k * self.h)  # share that goes to (g+1) k h
+        w1 = cells @ up
+        pmf = np.zeros(cells.shape[0] + 1)
+        pmf[:-1] = cells.sum(axis=1) - w1
+        pmf[1:] += w1
+        return _Lattice(pmf, lo, k * self.h)
+
+
+def _chernoff_windows(unit: _Lattice, units: int, log_tail: float) -> tuple[float, float, float]:
+    """``(above, lam, below)``: the sum of ``units`` draws of ``unit`` exceeds ``above`` (falls below
+    ``-below``) with probability at most ``exp(log_tail)``; ``lam`` is the Chernoff parameter of ``above``.
+
+    The log-MGF is evaluated on many lams on a copy of the lattice coarsened to at most 1024 cells
+    (connecting the dots raises E[exp(lam X)] for lam > 0: the upper bound stays valid), at lams
+    around the one that is optimal for a Gaussian of the same variance.
+    """
+    factor = 2 ** max(0, math.ceil(math.log2(unit.pmf.size / 1024)))
+    small = unit.coarsened(factor) if factor > 1 else unit
+    support = np.flatnonzero(small.pmf > 0.0)
+    p, x = small.pmf[support], (small.lo + support) * small.h
+    mean = float(np.sum(p * x) / np.sum(p))
+    std = max(math.sqrt(float(np.sum(p * (x - mean) ** 2) / np.sum(p))), small.h)
+    lams = math.sqrt(2.0 * abs(log_tail) / units) / std * np.geomspace(1.0 / 64.0, 64.0, 37)
+    windows = []
+    for sign in (1.0, -1.0):
+        exponents = np.log(p) + sign * lams[:, None] * x
+        peak = exponents.max(axis=1)
+        log_mgf = peak + np.log(np.sum(np.exp(exponents - peak[:, None]), axis=1))
+        windows.append((units * log_mgf - log_tail) / lams)
+    best = int(np.argmin(windows[0]))
+    return float(windows[0][best]), float(lams[best]), float(np.min(windows[1]))
+
+
+class _Composer:
+    """Compositions of a lattice PLD by FFT on a circular grid of ``nx`` points, FFT order.
+
+    The window holds up to ``max_units`` compositions but for ``exp(log_tail)`` on each side (Chernoff
+    bounds), and at least ``min_neg`` and ``min_pos`` points on each side; what wraps around the upper
+    end is bounded by :meth:`wrapped`, what wraps around the lower end lands among the largest losses
+    (pessimistic).
+    """
+
+    def __init__(self, unit: _Lattice, max_units: int, log_tail: float, min_pos: int = 0, min_neg: int = 0):
+        h = unit.h
+        above, self.lam, below = _chernoff_windows(unit, max_units, log_tail)
+        above, below = min(max_units * unit.hi * h, above), min(-max_units * unit.lo * h, below)
+        if above > _MAX_WINDOW:
+            raise _OutOfWindow(f"the composed privacy loss needs a window up to {above:.0f}")
+        self.log_mgf = unit.log_mgf(self.lam)
+        # The unit itself must fit (its lowest values would otherwise collide with the highest).
+        self.n_neg = max(math.ceil(max(below, 0.0) / h), -unit.lo, min_neg) + 1
+        self.nx = scipy.fft.next_fast_len(self.n_neg + max(math.floor(above / h), unit.hi, min_pos) + 2, real=True)
+        if self.nx > _MAX_NX:
+            raise _Untrusted(f"a grid step of {h:.2g} exceeds the grid budget")
+        self.n_pos = self.nx - self.n_neg
+        self.h, self.unit_hi = h, unit.hi
+        spectrum = self.transform(unit)
+        # Powers as exp(T log F) are much faster than complex integer powers, and as accurate.
+        self.log_spectrum = np.log(np.where(spectrum == 0.0, 1e-300, spectrum))
+
+    def transform(self, lattice: _Lattice) -> np.ndarray:
+        return scipy.fft.rfft(lattice.folded(1 - self.n_neg).in_fft_order(self.nx), workers=-1)
+
+    def composed(self, units: int, spectrum: np.ndarray | None = None) -> np.ndarray:
+        """``units`` compositions (times the transform ``spectrum``), FFT order."""
+        power = np.exp(units * self.log_spectrum)
+        return scipy.fft.irfft(power if spectrum is None else power * spectrum, n=self.nx, workers=-1)
+
+    def wrapped(self, units: int, extra_log_mgf: float = 0.0, extra_hi: int = 0) -> float:
+        """Bound on the mass that the upper end of ``units`` compositions (with a lattice of the given
+        log-MGF at ``lam`` and top index) wraps around: it appears at a wrong place, counted in delta."""
+        if units * self.unit_hi + extra_hi < self.n_pos:
+            return 0.0
+        return math.exp(units * self.log_mgf + extra_log_mgf - self.lam * self.n_pos * self.h)
+
+
+def _block_size(max_steps: int) -> tuple[int, int]:
+    """(B, k): compose blocks of B steps on the fine grid, the blocks on a grid k times coarser.
+
+    The pessimistic discretisation adds at most ``dx^2 / 4`` to the variance of each composed unit,
+    relative to its own variance: k ~ sqrt(B) makes that about equal on both grids, and B ~ sqrt(T)
+    the sizes of both grids. B divides T where it can, which saves composing the remainder.
+    (1, 1): one grid.
+    """
+    if max_steps < 512:
+        return 1, 1
+    root = math.sqrt(max_steps)
+    divisors = [b for b in range(math.ceil(root / 2), math.floor(2 * root) + 1) if max_steps % b == 0]
+    block = min(divisors, key=lambda b: abs(math.log(b / root))) if divisors else 2 ** round(math.log2(root))
+    return block, 2 ** round(math.log2(math.sqrt(block)))
 
 
 class _FourierPLD:
-    """One step's discretised PLD, Fourier-transformed once, composed for any number of steps.
+    """One step's discretised PLD, composed by FFT for up to ``plan.max_steps`` steps.
 
-    The composed grid has ``nx`` points in FFT order: ``x = i dx`` for ``i < nx - n_neg`` and
-    ``x = (i - nx) dx`` for the last ``n_neg`` points, which hold the negative losses.
+    Few steps are composed on the grid of step ``dx``. Many steps are composed in blocks of ``B``
+    steps there, each block re-discretised (connect the dots again) on a grid ``k`` times coarser,
+    where the blocks and the remaining steps are composed: both stages keep the result pessimistic.
     """
 
-    def __init__(
-        self,
-        relation: Relation,
-        sigma: float,
-        q: float,
-        dx: float,
-        one_step: _Window,
-        n_neg: int,
-        nx: int,
-        max_steps: int,
-    ):
-        half = _one_step_half_size(one_step, dx)
-        pmf = _one_step_pmf(relation, sigma, q, dx, half)
-        above = pmf[half : half + math.ceil(one_step.above / dx) + 1]
-        below = pmf[half - math.ceil(one_step.below / dx) - 1 : half]
-        mass_error = max_steps * abs(float(np.sum(above) + np.sum(below)) - 1.0)
-        if mass_error > _MASS_TOL:
-            raise _Unconverged(mass_error)
-        ordered = np.zeros(nx)
-        ordered[: above.size] = above
-        ordered[nx - below.size :] = below
-        spectrum = scipy.fft.rfft(ordered, workers=-1)
-        # Powers as exp(T log F) are much faster than complex integer powers, and as accurate.
-        self.log_spectrum = np.log(np.where(spectrum == 0.0, 1e-300, spectrum))
-        self.nx = nx
-        self.n_pos = nx - n_neg
-        self.x_pos = np.arange(1, self.n_pos) * dx
+    def __init__(self, relation: Relation, sigma: float, q: float, dx: float, plan: _Plan):
+        j_lo, j_hi = -math.ceil(plan.one_step.below / dx), math.ceil(plan.one_step.above / dx)
+        if j_hi - j_lo > _MAX_NX_ONE_STEP:
+            raise _Untrusted(f"a grid step of {dx:.2g} exceeds the grid budget")
+        pmf, self.beyond = _one_step_pmf(relation, sigma, q, dx, j_lo, j_hi)
+        one = _Lattice(pmf, j_lo, dx)
+        self.block, self.k = _block_size(plan.max_steps)
+        if self.block == 1:
+            self.fine = _Composer(one, plan.max_steps, plan.log_tail)
+            return
+        # The wrap budget: half for the fine grid (per block), half for the coarse one.
+        max_blocks = plan.max_steps // self.block
+        log_tail_fine = plan.log_tail - math.log(2.0 * (max_blocks + 1))
+        self.fine = _Composer(one, self.block, log_tail_fine)
+        self.block_wrapped = self.fine.wrapped(self.block)
+        block = self._coarse(self.block)
+        # Room for the coarsened remainders, which lie within the fine window.
+        min_pos, min_neg = -(-self.fine.n_pos // self.k) + 1, -(-self.fine.n_neg // self.k) + 1
+        self.coarse = _Composer(block, max_blocks + 1, plan.log_tail - math.log(2.0), min_pos, min_neg)
 
-    def positive_part(self, num_steps: int) -> np.ndarray:
-        """Probabilities of the composed loss at ``x_pos > 0``, the part that enters delta."""
-        composed = scipy.fft.irfft(np.exp(num_steps * self.log_spectrum), n=self.nx, workers=-1)
-        return composed[1 : self.n_pos]
+    def _coarse(self, num_steps: int) -> _Lattice:
+        return _Lattice.from_fft_order(self.fine.composed(num_steps), self.fine.n_neg, self.fine.h).coarsened(self.k)
 
-
-def _one_step_half_size(one_step: _Window, dx: float) -> int:
-    """fourier-accountant evaluates one step on [-half dx, half dx), a fast FFT length for numpy."""
-    return scipy.fft.next_fast_len(math.ceil(max(one_step) / dx) + 2, real=True)
+    def composed(self, num_steps: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """``(x, p, missing)``: probabilities ``p`` of the composed loss at the grid points ``x > 0`` (the
+        part that enters delta), and a bound on the delta that the grid does not show (mass lost to
+        infinity or wrapped around)."""
+        missing = -math.expm1(num_steps * math.log1p(-self.beyond))
+        if self.block == 1 or num_steps < self.block:
+            grid, values = self.fine, self.fine.composed(num_steps)
+            missing += grid.wrapped(num_steps)
+        else:
+            grid = self.coarse
+            blocks, rest = divmod(num_steps, self.block)
+            missing += blocks * self.block_wrapped
+            if rest:
+                remainder = self._coarse(rest).folded(1 - grid.n_neg)
+                missing += self.fine.wrapped(rest) + grid.wrapped(blocks, remainder.log_mgf(grid.lam), remainder.hi)
+                values = grid.composed(blocks, grid.transform(remainder))
+            else:
+                missing += grid.wrapped(blocks)
+                values = grid.composed(blocks)
+        return np.arange(1, grid.n_pos) * grid.h, values[1 : grid.n_pos], missing
 
 
 def _epsilon_from_pmf(x_pos: np.ndarray, p_pos: np.ndarray, target_delta: float) -> float:
@@ -323,7 +571,7 @@ def _epsilon_from_pmf(x_pos: np.ndarray, p_pos: np.ndarray, target_delta: float)
     j = int(np.argmax(delta_at_nodes <= target_delta))
     if delta_at_nodes[j] > target_delta:
         raise _Untrusted("epsilon lies beyond the grid window")
-    eps = math.log((s0[j] - target_delta) / s1[j])
+    eps = math.log((s0[j] - target_delta) / s1[j]) if s1[j] > 0.0 else x_pos[j]
     return float(min(max(eps, x_pos[j - 1] if j > 0 else 0.0), x_pos[j]))
 
 
@@ -332,56 +580,37 @@ def _delta_from_pmf(x_pos: np.ndarray, p_pos: np.ndarray, eps: float) -> float:
     return float(np.sum(-np.expm1(eps - x_pos[above]) * p_pos[above]))
 
 
-def _initial_dx(relation: Relation, sigma: float, q: float) -> float:
-    """A grid step somewhat coarser than needed; refinement halves it until results agree."""
-    if relation is Relation.ADD_REMOVE:
-        # One step's loss piles up just above log(1 - q), on a scale ~ q exp(-(4 sigma + 1/2) / sigma^2).
-        scale = q * math.exp(-(4.0 * sigma + 0.5) / sigma**2)
-    else:
-        scale = q * math.exp(-0.5 / sigma**2) / sigma
-    return min(2.0 ** math.floor(math.log2(max(scale, 1e-300))), _DX_COARSEST)
+def _pld_epsilon(pld: _FourierPLD, num_steps: int, target_delta: float) -> float:
+    """Epsilon of the discretised composition, with the delta that the grid misses taken off the target."""
+    x, p, missing = pld.composed(num_steps)
+    if missing > 0.5 * target_delta:
+        raise _Untrusted("too much probability mass beyond the grid window")
+    return _epsilon_from_pmf(x, p, target_delta - missing)
+
+
+def _pld_delta(pld: _FourierPLD, num_steps: int, eps: float) -> float:
+    x, p, missing = pld.composed(num_steps)
+    return _delta_from_pmf(x, p, eps) + missing
+
+
+def _initial_dx(plan: _Plan) -> float:
+    """A grid step somewhat coarser than needed (a power of two); refinement halves it until results agree."""
+    scale = min(plan.mgf.std * _DX_PER_STD, _DX_COARSEST)
+    return 2.0 ** math.floor(math.log2(max(scale, 1e-300)))
 
 
 def _fourier_values(
-    relation: Relation,
-    sigma: float,
-    q: float,
-    steps: np.ndarray,
-    plan: _Plan,
-    evaluate: Callable[[_FourierPLD, int], float],
-    atol: float,
-) -> np.ndarray:
-    """``evaluate(pld, T)`` for every T, on grids halved until two successive ones agree."""
+    plan: _Plan, level: Callable[[float], np.ndarray], atol: float, dx: float | None = None
+) -> tuple[np.ndarray, float]:
+    """``level(dx)`` on grids halved from ``dx`` until two successive ones agree: the finer values and step."""
     if plan.composed.above > _MAX_WINDOW:
-        raise _Untrusted(f"the composed privacy loss needs a window up to {plan.composed.above:.0f}")
-    dx = _initial_dx(relation, sigma, q)
-
-    def grid(dx: float) -> tuple[int, int]:
-        """Points of the negative part and of the whole composed grid (a fast FFT length)."""
-        if 2.0 * max(plan.one_step) / dx > _MAX_NX_ONE_STEP or sum(plan.composed) / dx > _MAX_NX:
-            raise _Untrusted(f"a grid step of {dx:.2g} exceeds the grid budget")
-        n_neg = math.ceil(plan.composed.below / dx) + 1
-        nx = scipy.fft.next_fast_len(n_neg + math.ceil(plan.composed.above / dx) + 1, real=True)
-        if 2 * _one_step_half_size(plan.one_step, dx) > _MAX_NX_ONE_STEP or nx > _MAX_NX:
-            raise _Untrusted(f"a grid step of {dx:.2g} exceeds the grid budget")
-        return n_neg, nx
-
-    previous, last_mass_error = None, None
+        raise _OutOfWindow(f"the composed privacy loss needs a window up to {plan.composed.above:.0f}")
+    dx = _initial_dx(plan) if dx is None else dx
+    previous = None
     while True:
-        try:
-            pld = _FourierPLD(relation, sigma, q, dx, plan.one_step, *grid(dx), plan.max_steps)
-            values = np.array([evaluate(pld, int(t)) for t in steps])
-        except _Unconverged as unconverged:
-            # Give up early when the grid that would conserve mass (and the next finer one, for the
-            # refinement check) cannot fit: the mass error falls by a factor `rate` per halving.
-            (mass_error,) = unconverged.args
-            rate = 30.0 if last_mass_error is None else min(max(last_mass_error / mass_error, 4.0), 1e3)
-            halvings = math.ceil(math.log(mass_error / _MASS_TOL) / math.log(rate))
-            grid(dx / 2.0 ** (halvings + 1))
-            values, last_mass_error = None, mass_error
-        if values is not None and previous is not None:
-            if np.all(np.abs(values - previous) <= _REFINE_RTOL * np.abs(values) + atol):
-                return values
+        values = level(dx)
+        if previous is not None and np.all(np.abs(values - previous) <= _REFINE_RTOL * np.abs(values) + atol):
+            return values, dx
         previous = values
         dx /= 2.0
 
@@ -395,23 +624,19 @@ def _full_batch_mu(relation: Relation, sigma: float, num_steps: int) -> float:
     return sensitivity * math.sqrt(num_steps) / sigma
 
 
+def _gaussian_log_delta(mu: float, eps: float) -> float:
+    """log delta(eps) = log(Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 - eps/mu)), loss X ~ N(mu^2/2, mu^2)."""
+    a = float(scipy.special.log_ndtr(mu / 2.0 - eps / mu))
+    b = eps + float(scipy.special.log_ndtr(-mu / 2.0 - eps / mu))
+    return a + math.log(-math.expm1(b - a)) if b < a else -math.inf
+
+
 def _gaussian_delta(mu: float, eps: float) -> float:
-    """delta(eps) = Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 - eps/mu), for the loss X ~ N(mu^2/2, mu^2)."""
-    a = scipy.special.log_ndtr(mu / 2.0 - eps / mu)
-    b = eps + scipy.special.log_ndtr(-mu / 2.0 - eps / mu)
-    return float(np.exp(a) * -np.expm1(b - a))
+    return math.exp(_gaussian_log_delta(mu, eps))
 
 
 def _gaussian_epsilon(mu: float, target_delta: float) -> float:
-    if _gaussian_delta(mu, 0.0) <= target_delta:
-        return 0.0
-    hi = 1.0
-    while _gaussian_delta(mu, hi) > target_delta:
-        hi *= 2.0
-    log_target = math.log(target_delta)
-    return scipy.optimize.brentq(
-        lambda e: math.log(max(_gaussian_delta(mu, e), 1e-300)) - log_target, 0.0, hi, xtol=1e-14, rtol=1e-13
-    )
+    return _log_delta_to_epsilon(lambda e: _gaussian_log_delta(mu, e), target_delta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,24 +695,51 @@ def _dp_accounting_values(
 # Public API.
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_plan(relation: Relation, sigma: float, q: float, max_steps: int, delta_scale: float) -> _Plan:
+    return _plan(relation, sigma, q, max_steps, delta_scale)
+
+
+@functools.lru_cache(maxsize=256)
+def _epsilon_level(
+    relation: Relation, sigma: float, q: float, steps: tuple, target_delta: float, dx: float
+) -> tuple[float, ...]:
+    """Epsilons on the grid of step ``dx``: upper bounds, not yet checked by refinement."""
+    pld = _FourierPLD(relation, sigma, q, dx, _cached_plan(relation, sigma, q, max(steps), target_delta))
+    return tuple(_pld_epsilon(pld, t, target_delta) for t in steps)
+
+
+def _clear_caches() -> None:
+    """Forget cached plans, grid levels and sigmas (for tests that change the module's budgets)."""
+    for cached in (_cached_plan, _epsilon_level, _closed_form_sigma, _searched_sigma):
+        cached.cache_clear()
+
+
+def _composed_epsilon(
+    relation: Relation, sigma: float, q: float, steps: np.ndarray, target_delta: float
+) -> tuple[np.ndarray, float | None]:
+    """Checked epsilons for ``steps > 1``, ``q < 1``, and the grid step that gave them (None: dp-accounting)."""
+    plan = _cached_plan(relation, sigma, q, int(steps.max()), target_delta)
+    key = tuple(int(t) for t in steps)
+    try:
+        return _fourier_values(plan, lambda dx: np.array(_epsilon_level(relation, sigma, q, key, target_delta, dx)), _EPS_ATOL)
+    except _Untrusted:
+        values = _dp_accounting_values(
+            relation, sigma, q, steps, plan, lambda pld: pld.get_epsilon_for_delta(target_delta), _EPS_ATOL
+        )
+        return values, None
+
+
 def _epsilon_values(relation: Relation, sigma: float, q: float, steps: np.ndarray, target_delta: float) -> np.ndarray:
     if q == 1.0:
         return np.array([_gaussian_epsilon(_full_batch_mu(relation, sigma, int(t)), target_delta) for t in steps])
-    plan = _plan(relation, sigma, q, int(steps.max()), target_delta)
-    try:
-        return _fourier_values(
-            relation,
-            sigma,
-            q,
-            steps,
-            plan,
-            lambda pld, t: _epsilon_from_pmf(pld.x_pos, pld.positive_part(t), target_delta),
-            _EPS_ATOL,
-        )
-    except _Untrusted:
-        return _dp_accounting_values(
-            relation, sigma, q, steps, plan, lambda pld: pld.get_epsilon_for_delta(target_delta), _EPS_ATOL
-        )
+    values = np.empty(steps.shape)
+    single = steps == 1
+    if np.any(single):
+        values[single] = _single_step_epsilon(relation, sigma, q, target_delta)
+    if not np.all(single):
+        values[~single] = _composed_epsilon(relation, sigma, q, steps[~single], target_delta)[0]
+    return values
 
 
 def epsilon(
@@ -552,17 +804,12 @@ def delta(
         raise TypeError(f"num_steps must be a single integer for delta(), got {num_steps!r}")
     if q == 1.0:
         return _gaussian_delta(_full_batch_mu(relation, sigma, int(steps)), eps)
-    plan = _plan(relation, sigma, q, int(steps), _DELTA_FLOOR)
+    if int(steps) == 1:
+        return math.exp(_single_step_log_delta(relation, sigma, q, eps))
+    plan = _cached_plan(relation, sigma, q, int(steps), _DELTA_FLOOR)
     try:
-        (value,) = _fourier_values(
-            relation,
-            sigma,
-            q,
-            steps.reshape(1),
-            plan,
-            lambda pld, t: _delta_from_pmf(pld.x_pos, pld.positive_part(t), eps),
-            0.0,
-        )
+        level = lambda dx: np.array([_pld_delta(_FourierPLD(relation, sigma, q, dx, plan), int(steps), eps)])
+        (value,), _ = _fourier_values(plan, level, 0.0)
         if value < 1e2 * _DELTA_FLOOR:  # the window only guarantees deltas above the floor
             raise _Untrusted("delta below the resolution of the grid window")
     except _Untrusted:
@@ -583,9 +830,16 @@ def approximate_sigma(
 ) -> SigmaResult:
     """Smallest noise multiplier sigma (up to a relative ``tol``) that keeps the run (epsilon, delta)-DP.
 
-    The root of ``epsilon(sigma) = target`` is bracketed and the bracket shrunk (Illinois
-    regula falsi in log-log space) until its ends are within a factor ``1 + tol``; the upper end,
-    whose epsilon has been computed and is at most the target, is returned.
+    A single step and full batches (``q = 1``) have closed forms, solved for sigma directly.
+    Otherwise the root of ``epsilon(sigma) = target`` is bracketed in log-log space, starting from a
+    central-limit guess and extrapolating secants, and the bracket shrunk (inverse quadratic
+    interpolation, each point placed just beyond the estimated root) until its ends are within a
+    factor ``1 + tol``. Points within 20% of a checked one are evaluated on the grid that passed that
+    check, whose epsilons are upper bounds; the upper end of the bracket is returned once
+    :func:`epsilon` has confirmed that its epsilon is at most the target. Results are cached.
+    Typically 3 to 6 evaluations, 10-100 ms; sampling rates of 1e-3 and below with sigma below
+    about 1 take longer (up to seconds at q = 1e-4), as one step's loss then has a narrow peak of
+    width ~q that the grid must resolve, next to rare large values.
 
     :param epsilon: target epsilon > 0.
     :param delta: target delta in (0, 1).
@@ -593,7 +847,10 @@ def approximate_sigma(
     :param num_steps: number of steps.
     :param relation: the :class:`Relation` that matches the minibatch sampler.
     :param tol: relative width of the final bracket on sigma, in (0, 0.5].
-    :return: ``SigmaResult(sigma, epsilon, num_evaluations)`` with ``epsilon <= target``.
+    :return: ``SigmaResult(sigma, epsilon, num_evaluations)`` with ``epsilon <= target``, the value
+        that :func:`epsilon` gives for ``sigma``.
+    :raises AccountingError: if no sigma can be certified (for instance a target epsilon so large
+        that the privacy loss of the run lies beyond what the accountants can represent).
 
     **Example**
 
@@ -612,57 +869,160 @@ def approximate_sigma(
     tol = _as_float("tol", tol)
     if not 0.0 < tol <= 0.5:
         raise ValueError(f"tol must lie in (0, 0.5], got {tol!r}")
+    num_steps = int(steps)
+    if q < 1.0 and -math.expm1(num_steps * math.log1p(-q)) <= target_delta:
+        raise AccountingError(
+            f"every sigma > 0 meets the target: with q={q} and num_steps={num_steps} an example takes part "
+            f"in the run with probability 1 - (1 - q)^T <= delta={target_delta}"
+        )
+    if q == 1.0 or num_steps == 1:
+        return _closed_form_sigma(relation, target, target_delta, q, num_steps, tol)
+    return _searched_sigma(relation, target, target_delta, q, num_steps, tol)
 
+
+def _confirmed(relation, sigma, q, num_steps, target, target_delta, tol) -> tuple[float, float, int]:
+    """The smallest of sigma, sigma (1 + tol/8), ... whose checked epsilon is at most the target."""
+    steps = np.array([num_steps])
+    for k in range(64):
+        eps = float(_epsilon_values(relation, sigma, q, steps, target_delta)[0])
+        if eps <= target:
+            return sigma, eps, k + 1
+        sigma *= 1.0 + tol / 8.0
+    raise AccountingError(f"no sigma with a checked epsilon below {target} was found near {sigma}")
+
+
+@functools.lru_cache(maxsize=256)
+def _closed_form_sigma(
+    relation: Relation, target: float, target_delta: float, q: float, num_steps: int, tol: float
+) -> SigmaResult:
+    """Root in log sigma of the closed-form log delta(target) = log target_delta (it falls as sigma grows)."""
     evaluations = 0
 
-    def excess(log_sigma: float) -> tuple[float, float]:
-        """log(epsilon / target) at sigma = exp(log_sigma), and epsilon."""
+    def excess(log_sigma: float) -> float:
         nonlocal evaluations
         evaluations += 1
-        eps = float(_epsilon_values(relation, math.exp(log_sigma), q, steps.reshape(1), target_delta)[0])
-        return math.log(max(eps, 1e-300) / target), eps
+        sigma = math.exp(log_sigma)
+        if q == 1.0:
+            log_delta = _gaussian_log_delta(_full_batch_mu(relation, sigma, num_steps), target)
+        else:
+            log_delta = _single_step_log_delta(relation, sigma, q, target)
+        return max(log_delta, -1e4) - math.log(target_delta)
+
+    lo = hi = math.log(_sigma_guess(relation, target, target_delta, q, num_steps))
+    f_lo = f_hi = excess(lo)
+    while f_hi > 0.0:
+        lo, f_lo, hi = hi, f_hi, hi + 1.0
+        f_hi = excess(hi)
+    while f_lo <= 0.0:
+        if lo < math.log(1e-300):
+            raise AccountingError(f"no sigma meets epsilon={target}, delta={target_delta}")
+        hi, lo = lo, lo - 1.0
+        f_lo = excess(lo)
+    root = scipy.optimize.brentq(excess, lo, hi, xtol=1e-13)
+    sigma, eps, checks = _confirmed(relation, math.exp(root), q, num_steps, target, target_delta, 1e-9)
+    return SigmaResult(sigma, eps, evaluations + checks)
+
+
+@functools.lru_cache(maxsize=256)
+def _searched_sigma(
+    relation: Relation, target: float, target_delta: float, q: float, num_steps: int, tol: float
+) -> SigmaResult:
+    evaluations = 0
+    steps = np.array([num_steps])
+    dx, checked_at = None, math.nan  # the grid of the search, and log sigma where it was checked
+
+    def excess(log_sigma: float, checked: bool = False) -> float:
+        """log(epsilon / target) at sigma = exp(log_sigma); inf where the loss is out of the window.
+
+        A checked evaluation refines the grid from its initial step (which depends on sigma) until
+        two agree, and the next unchecked ones use the finer of those grids. Only sigma within 20%
+        of the last checked one skip the check.
+        """
+        nonlocal evaluations, dx, checked_at
+        evaluations += 1
+        sigma = math.exp(log_sigma)
+        if not 1e-100 < sigma < 1e100:
+            raise AccountingError(f"no sigma meets epsilon={target}, delta={target_delta}: the search reached {sigma:.3g}")
+        try:
+            if dx is None or (checked and abs(log_sigma - checked_at) > math.log(1.2)):
+                level = lambda h: np.array(_epsilon_level(relation, sigma, q, (num_steps,), target_delta, h))
+                (eps,), dx = _fourier_values(_cached_plan(relation, sigma, q, num_steps, target_delta), level, _EPS_ATOL)
+                checked_at = log_sigma
+            else:
+                (eps,) = _epsilon_level(relation, sigma, q, (num_steps,), target_delta, dx)
+        except _OutOfWindow:
+            return math.inf
+        except _Untrusted:  # grid budget: the checked value, from dp-accounting if need be
+            eps = float(_composed_epsilon(relation, sigma, q, steps, target_delta)[0][0])
+        return math.log(max(eps, 1e-300) / target)
 
     def guess(target_eps: float) -> float:
-        return math.log(_sigma_guess(relation, target_eps, target_delta, q, int(steps)))
+        return math.log(_sigma_guess(relation, target_eps, target_delta, q, num_steps))
 
-    # Bracket the root in log sigma, starting from a central-limit guess; the second point carries
-    # the guess's error at the first over as a factor on epsilon.
+    # Bracket the root of the decreasing excess(log sigma), starting from a central-limit guess; the
+    # second point carries the guess's error at the first over as a factor on epsilon, the next ones
+    # extrapolate the last two a little beyond the root (epsilon is close to a power of sigma).
     width_tol = math.log1p(tol)
     first = guess(target)
-    f_first, eps_first = excess(first)
+    points = [(first, excess(first, checked=True))]
+    f_first = points[0][1]
     direction = 1.0 if f_first > 0.0 else -1.0  # the way sigma has to move
-    corrected = guess(target * min(max(target / max(eps_first, 1e-300), 0.25), 4.0))
-    step = max(direction * (corrected - first), 0.0) + 0.5 * width_tol
-    ends = [(first, f_first, eps_first)]
+    factor = math.exp(-min(f_first, math.log(4.0))) if f_first > 0.0 else math.exp(min(-f_first, math.log(4.0)))
+    step = max(direction * (guess(target * factor) - points[0][0]), 0.0) + 0.5 * width_tol
     while True:
-        point = ends[-1][0] + direction * step
-        ends.append((point, *excess(point)))
-        if (ends[-1][1] > 0.0) != (f_first > 0.0):
+        point = points[-1][0] + direction * step
+        points.append((point, excess(point, checked=True)))
+        (p0, f0), (p1, f1) = points[-2:]
+        if (f1 > 0.0) != (f_first > 0.0):
             break
-        step *= 2.0
-    (lo, f_lo, _), (hi, f_hi, eps_hi) = sorted(ends[-2:])
-
-    # Illinois regula falsi; new points kept a little inside the bracket so that both ends move.
-    side = 0
-    while hi - lo > width_tol:
-        margin = 0.4 * width_tol
-        if hi - lo <= 2.5 * margin:
-            new = 0.5 * (lo + hi)
+        if math.isfinite(f0) and math.isfinite(f1) and (f1 - f0) * direction < 0.0:
+            secant = -f1 * (p1 - p0) / (f1 - f0)  # the extrapolated root, in direction * secant > 0
+            step = min(max(1.1 * direction * secant + 0.5 * width_tol, 0.5 * width_tol), max(4.0 * step, 1.0))
         else:
-            new = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
-            new = min(max(new, lo + margin), hi - margin)
-        f_new, eps_new = excess(new)
+            step *= 2.0
+    (lo, f_lo), (hi, f_hi) = sorted(points[-2:])
+
+    # Shrink the bracket: each new point lies a little beyond the estimated root (inverse quadratic
+    # interpolation through the three points nearest to it, else the secant of the bracket), on the
+    # side of the end farther from it, so that each evaluation moves one end close to the root.
+    # Bisection where two steps in a row have not halved the bracket.
+    widths = [hi - lo]
+    while hi - lo > width_tol:
+        root = _estimate_root(points, lo, f_lo, hi, f_hi)
+        new = root + 0.3 * width_tol if hi - root > root - lo else root - 0.3 * width_tol
+        new = min(max(new, lo + 0.1 * width_tol), hi - 0.1 * width_tol)
+        if len(widths) >= 3 and widths[-1] > 0.5 * widths[-3]:
+            new = 0.5 * (lo + hi)
+        f_new = excess(new)
+        points.append((new, f_new))
         if f_new > 0.0:
             lo, f_lo = new, f_new
-            if side == 1:
-                f_hi /= 2.0
-            side = 1
         else:
-            hi, f_hi, eps_hi = new, f_new, eps_new
-            if side == -1:
-                f_lo /= 2.0
-            side = -1
-    return SigmaResult(math.exp(hi), eps_hi, evaluations)
+            hi, f_hi = new, f_new
+        widths.append(hi - lo)
+    if not math.isfinite(f_lo):
+        eps_hi = target * math.exp(f_hi)
+        raise AccountingError(
+            f"no tight sigma for epsilon={target}, delta={target_delta}, q={q}, num_steps={num_steps}: below "
+            f"sigma={math.exp(hi):.4g} (epsilon {eps_hi:.4g}) the privacy loss of the run reaches beyond "
+            f"{_MAX_WINDOW:g}, outside the range of tight accounting; an epsilon this large is no meaningful "
+            "guarantee"
+        )
+    sigma, eps, checks = _confirmed(relation, math.exp(hi), q, num_steps, target, target_delta, tol)
+    return SigmaResult(sigma, eps, evaluations + checks)
+
+
+def _estimate_root(points: list, lo: float, f_lo: float, hi: float, f_hi: float) -> float:
+    """Root of f within (lo, hi), where f(lo) > 0 >= f(hi), from the evaluated ``(x, f(x))`` points."""
+    finite = sorted((p for p in points if math.isfinite(p[1])), key=lambda p: abs(p[1]))[:3]
+    if len(finite) == 3 and len({f for _, f in finite}) == 3:
+        (a, fa), (b, fb), (c, fc) = finite
+        root = a * fb * fc / ((fa - fb) * (fa - fc)) + b * fa * fc / ((fb - fa) * (fb - fc)) + c * fa * fb / ((fc - fa) * (fc - fb))
+        if lo < root < hi:
+            return root
+    if math.isfinite(f_lo):
+        return (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
+    return 0.5 * (lo + hi)
 
 
 def _sigma_guess(relation: Relation, target: float, target_delta: float, q: float, num_steps: int) -> float:
@@ -670,10 +1030,10 @@ def _sigma_guess(relation: Relation, target: float, target_delta: float, q: floa
 
     The composed loss is approximated by the Gaussian mechanism's N(mu^2/2, mu^2) with mu^2 equal to
     T times the chi^2 divergence of one step's pair; for small q that is
-    q^2 (e^{1/s^2} - 1) (add/remove) and 2 q^2 (e^{1/s^2} - e^{-1/s^2}) (substitute); exact for q = 1.
+    q^2 (e^{1/s^2} - 1) (add/remove) and 4 q^2 sinh(1/s^2) (substitute); exact for q = 1.
     """
     # mu with Gaussian epsilon(mu) = target (epsilon grows with mu), within [1e-6, 1e4].
-    excess = lambda log_mu: _gaussian_epsilon(math.exp(log_mu), target_delta) - target
+    excess = lambda log_mu: _gaussian_log_delta(math.exp(log_mu), target) - math.log(target_delta)
     bounds = (math.log(1e-6), math.log(1e4))
     if excess(bounds[0]) >= 0.0 or excess(bounds[1]) <= 0.0:
         log_mu = bounds[0] if excess(bounds[0]) >= 0.0 else bounds[1]
@@ -682,5 +1042,5 @@ def _sigma_guess(relation: Relation, target: float, target_delta: float, q: floa
     mu2 = math.exp(2.0 * log_mu)
     if q == 1.0:
         return _full_batch_mu(relation, 1.0, num_steps) / math.sqrt(mu2)
-    k = mu2 / (num_steps * q**2)  # e^{1/s^2} - 1 (add/remove) or 2 sinh(1/s^2) (substitute)
-    return 1.0 / math.sqrt(math.log1p(k) if relation is Relation.ADD_REMOVE else math.asinh(k / 2.0))
+    k = mu2 / (num_steps * q**2)  # e^{1/s^2} - 1 (add/remove) or 4 sinh(1/s^2) (substitute)
+    return 1.0 / math.sqrt(math.log1p(k) if relation is Relation.ADD_REMOVE else math.asinh(k / 4.0))

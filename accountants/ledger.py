@@ -365,22 +365,27 @@ class PrivacyLedger:
             return math.inf
         return max(self.budget_epsilon - self.spent()[0], 0.0)
 
-    def check(self, cost: PrivacyCost) -> tuple[float, float]:
-        """The (epsilon, delta) spent after ``cost``; raises if it breaks a rule or the budget.
+    def check(self, cost: PrivacyCost, *more: PrivacyCost) -> tuple[float, float]:
+        """The (epsilon, delta) spent after ``cost`` (and ``more``, all together); raises if they
+        break a rule or the budget.
 
-        :raises PrivacyBudgetExceeded: if the release would exceed the budget.
-        :raises ValueError: if its neighbouring relation differs from the ledger's.
+        :raises PrivacyBudgetExceeded: if the releases would exceed the budget.
+        :raises ValueError: if a neighbouring relation differs from the ledger's.
         """
-        if not isinstance(cost, PrivacyCost):
-            raise TypeError(f"cost must be a PrivacyCost, got {type(cost).__name__}")
-        if self.neighbouring is not None and cost.neighbouring != self.neighbouring:
-            raise ValueError(
-                f"this ledger records {self.neighbouring!r} costs; got {cost.neighbouring!r}"
-                " (state both under one relation)"
-            )
-        if self.budget_delta is not None and cost.delta > 0 and self.budget_delta == 0:
-            raise PrivacyBudgetExceeded("the budget allows pure DP only (budget_delta = 0)")
-        eps, delta = compose(self._costs() + [cost], self.budget_delta)
+        costs = [cost, *more]
+        relation = self.neighbouring
+        for c in costs:
+            if not isinstance(c, PrivacyCost):
+                raise TypeError(f"cost must be a PrivacyCost, got {type(c).__name__}")
+            relation = relation or c.neighbouring
+            if c.neighbouring != relation:
+                raise ValueError(
+                    f"this ledger records {relation!r} costs; got {c.neighbouring!r}"
+                    " (state both under one relation)"
+                )
+            if self.budget_delta is not None and c.delta > 0 and self.budget_delta == 0:
+                raise PrivacyBudgetExceeded("the budget allows pure DP only (budget_delta = 0)")
+        eps, delta = compose(self._costs() + costs, self.budget_delta)
         if self.budget_delta is not None and delta > self.budget_delta * (1 + _BUDGET_RTOL):
             raise PrivacyBudgetExceeded(
                 f"release would spend delta {delta:.6g} in total, budget {self.budget_delta:.6g}"
@@ -396,24 +401,43 @@ class PrivacyLedger:
 
         :raises PrivacyBudgetExceeded: if the release would exceed the budget (nothing recorded).
         """
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a string, got {type(name).__name__}")
-        if not name:
-            raise ValueError("name must not be empty")
+        return self.record_many([(name, cost)], note)[0]
+
+    def record_many(self, items: Iterable[tuple[str, PrivacyCost]], note: str = "") -> list[LedgerEntry]:
+        """Check the costs of several releases against the budget together, then append them all
+        (and save once): all or nothing, before any of their noise is drawn.
+
+        >>> ledger = PrivacyLedger(budget_epsilon=1.0)
+        >>> ledger.record_many([("a", PrivacyCost("laplace", 0.6)), ("b", PrivacyCost("laplace", 0.6))])
+        Traceback (most recent call last):
+        ...
+        d3pext.accountants.ledger.PrivacyBudgetExceeded: release would spend epsilon 1.2 in total, budget 1
+        >>> len(ledger)
+        0
+        """
+        items = list(items)
+        if not items:
+            return []
+        for name, _ in items:
+            if not isinstance(name, str):
+                raise TypeError(f"name must be a string, got {type(name).__name__}")
+            if not name:
+                raise ValueError("name must not be empty")
         if not isinstance(note, str):
             raise TypeError("note must be a string")
-        self.check(cost)
-        entry = LedgerEntry(name, cost, datetime.now(timezone.utc).isoformat(), note)
-        self._entries.append(entry)
+        self.check(*(cost for _, cost in items))
+        now = datetime.now(timezone.utc).isoformat()
+        entries = [LedgerEntry(name, cost, now, note) for name, cost in items]
+        self._entries.extend(entries)
         if self.neighbouring is None:
-            self.neighbouring = cost.neighbouring
+            self.neighbouring = entries[0].cost.neighbouring
         if self.path is not None:
             try:
                 self.save(self.path)
             except BaseException:
-                self._entries.pop()
+                del self._entries[-len(entries):]
                 raise
-        return entry
+        return entries
 
     def release(
         self, name: str, mechanism: Any, value: Any, rng_key: Any = None, note: str = ""
@@ -424,7 +448,7 @@ class PrivacyLedger:
         afterwards is still counted. ``rng_key=None`` draws the noise from OS entropy.
 
         >>> from d3pext.accountants.ledger import PrivacyLedger
-        >>> from d3pext.mechanisms import LaplaceMechanism
+        >>> from d3pext.releases.mechanisms import LaplaceMechanism
         >>> ledger = PrivacyLedger(budget_epsilon=1.0)
         >>> noisy = ledger.release("total", LaplaceMechanism(0.5, sensitivity=1.0), 42.0)
         >>> ledger.spent()

@@ -1,12 +1,17 @@
 """Benchmark of d3pext.accountants against plain fourier-accountant calls and dp-accounting's PLD.
 
-Run ``python benchmarks/bench_accountant.py`` (about two minutes on two cores). For each setting it
+Run ``python benchmarks/bench_accountant.py`` (about two minutes on two cores; ``--grid`` runs only the
+approximate_sigma grid below, ``--q 1e-4,1e-3`` picks its sampling rates). For each setting it
 prints the runtime of d3pext, of fourier-accountant at its defaults (nx = 1e6, L = 20) and of
 dp-accounting's PLD accountant at its default grid (value_discretization_interval = 1e-4), their
 ratios, and each result's relative error against dp-accounting on a fine grid (1e-5 for epsilon
 below 1, 1e-4 below 10, 1e-3 above: a few 1e-5 of the value at most; where that grid is dp-accounting's
 default, its own error is not shown). For approximate_sigma the reference is the sigma on which all
 tight accountants agree to 0.02%.
+
+Last, approximate_sigma over the issue's grid (epsilon 0.01-100, 1-1e6 steps, q = 0.01 and 0.1 by
+default, both relations), each call with cold caches: wall-clock milliseconds per call and the
+number of accountant evaluations.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import numpy as np
 from dp_accounting import NeighboringRelation
 from dp_accounting.pld import privacy_loss_distribution
 
-from d3pext.accountants import Relation, approximate_sigma, epsilon
+from d3pext.accountants import AccountingError, Relation, approximate_sigma, epsilon
+from d3pext.accountants import fourier
 
 DELTA = 1e-5
 R, S = Relation.ADD_REMOVE, Relation.SUBSTITUTE
@@ -80,6 +86,36 @@ def row(name, ours, fa, dpa, reference, dpa_is_reference=False):
     )
 
 
+GRID_EPSILONS = (0.01, 0.1, 1.0, 8.0, 30.0, 100.0)
+GRID_STEPS = (1, 100, 10_000, 1_000_000)
+
+
+def sigma_grid(qs=(0.01, 0.1)):
+    """approximate_sigma's wall time (ms) and evaluations over the grid, cold caches; returns the worst time."""
+    approximate_sigma(1.0, DELTA, 0.01, 1000)  # imports and first calls
+    print(f"\napproximate_sigma, delta = {DELTA}: milliseconds per call (evaluations), caches cleared before each")
+    print(f"{'relation':<11} {'q':>7} {'steps':>9}" + "".join(f"{f'eps={e:g}':>13}" for e in GRID_EPSILONS))
+    worst = 0.0
+    for relation in (R, S):
+        for q in qs:
+            for steps in GRID_STEPS:
+                cells = []
+                for target in GRID_EPSILONS:
+                    fourier._clear_caches()
+                    start = time.perf_counter()
+                    try:
+                        result = approximate_sigma(target, DELTA, q, steps, relation)
+                        note = f"({result.num_evaluations})"
+                    except AccountingError:
+                        note = "(error)"
+                    elapsed = time.perf_counter() - start
+                    worst = max(worst, elapsed)
+                    cells.append(f"{1e3 * elapsed:7.1f} {note:<5}")
+                print(f"{relation.value:<11} {q:>7g} {steps:>9g}" + "".join(f"{c:>13}" for c in cells), flush=True)
+    print(f"worst: {1e3 * worst:.1f} ms")
+    return worst
+
+
 def main():
     print(f"delta = {DELTA}; times in seconds; errors relative to dp-accounting on a fine grid\n")
     print(
@@ -115,4 +151,12 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", action="store_true", help="only the approximate_sigma grid")
+    parser.add_argument("--q", default="0.01,0.1", help="sampling rates of the grid, comma-separated")
+    args = parser.parse_args()
+    if not args.grid:
+        main()
+    sigma_grid(tuple(float(q) for q in args.q.split(",")))

@@ -32,6 +32,7 @@ from d3pext.distributions.expfam import family_of, record_distribution
 from d3pext.prng import secure_key
 from d3pext.releases.counts import check_counts
 from d3pext.releases.info import ReleaseInfo, release_sites
+from d3pext.releases.mechanisms import warn_reproducible
 
 __all__ = ["curator_key", "make_release", "privatize", "privatize_counts"]
 
@@ -211,6 +212,14 @@ class privatize(Messenger):
 
     def _emit(self, msg: dict) -> None:
         stat, derived, n, stat_shape = self._statistic(msg)
+        if msg["is_observed"] and _is_concrete(stat):
+            finite = np.isfinite(np.asarray(stat, dtype=float))
+            if not finite.all():
+                raise ValueError(
+                    f"privatize({self.site!r}): the released statistic has "
+                    f"{int((~finite).sum())} non-finite entries (nan/inf); check the confidential "
+                    "data. Nothing was released."
+                )
         mechanism = self.mechanism
         if mechanism.sensitivity is None:
             mechanism = mechanism.with_sensitivity(derived)
@@ -331,15 +340,20 @@ def make_release(
     *args: Any,
     rng_key: jax.Array | int | None = None,
     ledger: Any = None,
+    reproducible: bool = False,
     **kwargs: Any,
 ) -> dict[str, jax.Array]:
     """Curator side: run a privatized model forward on confidential data and return the releases.
 
     The confidential data go in through the model's arguments (observed sites). The model is
-    traced without drawing any release noise; then each release is drawn by its mechanism
-    (``mechanism.release``), from OS entropy unless ``rng_key`` is given. With a ``ledger``
-    (:class:`d3pext.accountants.ledger.PrivacyLedger`) each cost is checked and recorded before
-    its noise is drawn (``ledger.release``), so a refused release draws nothing.
+    traced without drawing any release noise, and every released statistic is checked (finite)
+    before any noise is drawn. Then each release is drawn by its mechanism
+    (``mechanism.release``) from a ChaCha20 key seeded by OS entropy. An explicit ``rng_key``
+    makes the noise reproducible by anyone who has the key: it warns
+    (:class:`~d3pext.releases.mechanisms.ReproducibleReleaseWarning`) unless
+    ``reproducible=True`` (simulations and tests). With a ``ledger``
+    (:class:`d3pext.accountants.ledger.PrivacyLedger`) the costs of all the releases are checked
+    against the budget together and recorded before any noise is drawn: all or nothing.
 
     >>> import jax.numpy as jnp
     >>> import numpyro, numpyro.distributions as dist
@@ -355,6 +369,8 @@ def make_release(
     >>> sorted(release), ledger.spent()
     (['x_dp'], (0.5, 0.0))
     """
+    if rng_key is not None and not reproducible:
+        warn_reproducible()
     model_key = curator_key(rng_key)
     model_trace = trace(
         substitute(seed(model, model_key), substitute_fn=_statistic_placeholder)
@@ -368,12 +384,19 @@ def make_release(
                 f"The confidential site {info.source!r} is not observed: pass the confidential "
                 "data to the model so that the release is computed from them."
             )
+    statistics = {name: model_trace[name]["infer"]["statistic"] for name in infos}
+    for name, statistic in statistics.items():
+        finite = np.isfinite(np.asarray(statistic, dtype=float))
+        if not finite.all():
+            raise ValueError(
+                f"The statistic released at {name!r} has {int((~finite).sum())} non-finite "
+                f"entries (nan/inf): check the confidential data of {infos[name].source!r}. "
+                "Nothing was released."
+            )
+    if ledger is not None:
+        ledger.record_many([(name, info.cost()) for name, info in infos.items()])
     releases = {}
     for i, (name, info) in enumerate(infos.items()):
-        statistic = model_trace[name]["infer"]["statistic"]
         key = None if rng_key is None else jax.random.fold_in(model_key, i)
-        if ledger is not None:
-            releases[name] = ledger.release(name, info.mechanism, statistic, rng_key=key)
-        else:
-            releases[name] = info.mechanism.release(key, statistic)
+        releases[name] = info.mechanism.release(key, statistics[name], reproducible=True)
     return releases

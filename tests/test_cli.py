@@ -196,3 +196,10 @@ def test_module_and_console_script_entry_points():
     if script is not None:
         proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "demo" in proc.stdout
+
+
+def test_audit_command(capsys):
+    assert main(["audit", "--releases", "2000", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "| GeometricMechanism (0 vs 1) | 1 |" in out
+    assert "no mechanism leaks more than it claims" in out

@@ -339,3 +339,30 @@ def test_gaussian_mechanism_and_clt_method():
     a, b = gibbs.get_samples()["theta"], clt.get_samples()["theta"]
     assert abs(a.mean() - b.mean()) < 0.1 * a.std()
     assert abs(a.std() - b.std()) < 0.1 * a.std()
+
+
+def test_make_release_is_all_or_nothing_and_refuses_nonfinite(monkeypatch):
+    # two releases and a budget for one: nothing is recorded and no noise is drawn
+    def two_releases(n, x=None):
+        with privatize(site="x", mechanism=LaplaceMechanism(0.6), name="a"):
+            with privatize(site="x", mechanism=LaplaceMechanism(0.6), name="b"):
+                beta_binomial_model(n, x)
+
+    drawn = []
+    monkeypatch.setattr(LaplaceMechanism, "release", lambda self, *a, **k: drawn.append(1))
+    ledger = PrivacyLedger(budget_epsilon=1.0)
+    with pytest.raises(PrivacyBudgetExceeded):
+        make_release(two_releases, 4, jnp.array([1, 0, 1, 1]), ledger=ledger)
+    assert len(ledger) == 0 and not drawn
+    monkeypatch.undo()
+    # a non-finite statistic is refused before any noise or spend
+    def gaussian_model(n, x=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+
+    private = privatize(gaussian_model, site="x", mechanism=LaplaceMechanism(0.5, sensitivity=1.0),
+                        statistic=lambda v: jnp.sum(jnp.clip(v, 0.0, 1.0)))
+    with pytest.raises(ValueError, match="non-finite"):
+        make_release(private, 3, jnp.array([0.0, jnp.nan, 1.0]), ledger=ledger)
+    assert len(ledger) == 0

@@ -236,7 +236,7 @@ def test_release_checks_and_records_before_drawing():
 
 
 def test_release_with_a_real_mechanism():
-    from d3pext.mechanisms import GaussianMechanism, LaplaceMechanism
+    from d3pext.releases.mechanisms import GaussianMechanism, LaplaceMechanism
 
     ledger = PrivacyLedger(budget_epsilon=2.0, budget_delta=1e-5)
     ledger.release("mean", LaplaceMechanism(0.5, sensitivity=0.01), 0.3)
