@@ -11,6 +11,8 @@ from d3pext.accountants.fourier import (
 from d3pext.accountants.ledger import (
     NEIGHBOURING_RELATIONS,
     LedgerEntry,
+    LedgerError,
+    LedgerWarning,
     PrivacyBudgetExceeded,
     PrivacyCost,
     PrivacyLedger,
@@ -23,6 +25,8 @@ from d3pext.accountants.ledger import (
 __all__ = [
     "AccountingError",
     "LedgerEntry",
+    "LedgerError",
+    "LedgerWarning",
     "NEIGHBOURING_RELATIONS",
     "PrivacyBudgetExceeded",
     "PrivacyCost",

@@ -138,6 +138,17 @@ def _check_positive(name: str, value) -> float:
     return value
 
 
+def _check_sigma(sigma) -> float:
+    """A noise multiplier whose privacy loss can be evaluated in floats (``1 / sigma^2`` finite)."""
+    sigma = _check_positive("sigma", sigma)
+    if sigma < 1e-100:
+        raise AccountingError(
+            f"sigma={sigma!r} is too small to account: 1 / sigma^2 overflows, and the privacy loss is far beyond any "
+            "meaningful guarantee (use a noise multiplier of order 1)"
+        )
+    return sigma
+
+
 def _check_q(q) -> float:
     q = _as_float("q", q)
     if not 0.0 < q <= 1.0:
@@ -772,7 +783,7 @@ def epsilon(
         array([1.21, 4.4 ])
     """
     relation = _as_relation(relation)
-    sigma, q, target_delta = _check_positive("sigma", sigma), _check_q(q), _check_delta(delta)
+    sigma, q, target_delta = _check_sigma(sigma), _check_q(q), _check_delta(delta)
     steps, scalar = _check_steps(num_steps)
     eps = _epsilon_values(relation, sigma, q, steps.ravel(), target_delta).reshape(steps.shape)
     return float(eps) if scalar else eps
@@ -798,7 +809,7 @@ def delta(
         '1.000e-05'
     """
     relation = _as_relation(relation)
-    sigma, q, eps = _check_positive("sigma", sigma), _check_q(q), _check_positive("epsilon", epsilon)
+    sigma, q, eps = _check_sigma(sigma), _check_q(q), _check_positive("epsilon", epsilon)
     steps, scalar = _check_steps(num_steps)
     if not scalar:
         raise TypeError(f"num_steps must be a single integer for delta(), got {num_steps!r}")

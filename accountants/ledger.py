@@ -2,7 +2,7 @@
 
 A curator records every release in a :class:`PrivacyLedger` before its noise is drawn; the
 ledger composes the costs, refuses a release that would exceed the budget, and persists itself
-as append-only JSON, so that a budget once spent is never forgotten.
+in an append-only JSON Lines file, so that a budget once spent is never forgotten.
 
 Composition rule (used by :func:`compose` and :meth:`PrivacyLedger.spent`), for releases about
 the same data under one neighbouring relation:
@@ -18,22 +18,62 @@ the same data under one neighbouring relation:
 The ledger's delta is ``budget_delta`` when set (what the other groups leave of it goes to the
 Gaussian group); without one, the Gaussian group is reported at the sum of its releases' deltas,
 which is never looser than adding their (epsilon, delta) pairs.
+
+The ledger file (``path``), safe for several processes spending from it at once:
+
+* format (version 2): JSON Lines, a header line ``{"format": "d3pext-privacy-ledger",
+  "version": 2, "budget_epsilon", "budget_delta", "neighbouring"}``, then one line per entry,
+  appended and never rewritten. A version-1 file (one JSON document with an ``"entries"``
+  list, as earlier releases wrote it) loads, and is rewritten as version 2 by the first write;
+* every read, budget check and append holds an ``flock`` on the sidecar file ``<path>.lock``
+  (``msvcrt`` on Windows); the budget is checked against the file's contents under the lock,
+  never against another process's in-memory copy; temporary files of the ledger left by a
+  crash are removed under it;
+* an append is one ``write`` of its lines, then ``fsync``; :meth:`PrivacyLedger.record`
+  returns (the spend is acknowledged) only after that, and a failed write is cut back off.
+  A new file is written to a temporary file, fsynced, renamed into place, and its directory
+  fsynced;
+* a final line without a newline that is not valid JSON is a write cut off by a crash, never
+  acknowledged: it is ignored with a :class:`LedgerWarning` and removed by the next write. A
+  complete final line without a newline is kept (counted). Any other damage raises
+  :class:`LedgerError` naming the file, the line and the last good entry: a damaged ledger may
+  have lost spent budget, so it is never used. A crash in the middle of a
+  :meth:`~PrivacyLedger.record_many` cut off by power loss may leave some of its entries
+  recorded (counted but not acknowledged): on the safe side.
+
+The lock file is never deleted (deleting it would race). Versions of d3pext before the lock
+(version-1 files) do not take it: do not let them write to a ledger that newer ones share.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+import errno
 import json
 import math
 import os
 from pathlib import Path
+import re
 import tempfile
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Iterator, Mapping, Optional, Union
+import warnings
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover (not POSIX)
+    fcntl = None
+try:
+    import msvcrt
+except ImportError:
+    msvcrt = None
 
 from scipy.optimize import brentq
 from scipy.special import log_ndtr
 
 __all__ = [
     "LedgerEntry",
+    "LedgerError",
+    "LedgerWarning",
     "NEIGHBOURING_RELATIONS",
     "PrivacyBudgetExceeded",
     "PrivacyCost",
@@ -48,12 +88,20 @@ NEIGHBOURING_RELATIONS = ("substitute", "add_remove")
 """``substitute``: replace one record; ``add_remove``: add or remove one record."""
 
 _FORMAT = "d3pext-privacy-ledger"
-_VERSION = 1
+_VERSION = 2  # of the file format; load() also reads version 1
 _BUDGET_RTOL = 1e-9  # floating-point slack in budget comparisons (0.1 + 0.2 > 0.3)
 
 
 class PrivacyBudgetExceeded(RuntimeError):
     """A release would take the ledger past its privacy budget."""
+
+
+class LedgerError(ValueError):
+    """A ledger file is damaged or foreign, or no longer extends what a ledger read from it."""
+
+
+class LedgerWarning(UserWarning):
+    """A ledger file ended in an incomplete line (a write cut off by a crash): it was ignored."""
 
 
 def _check_epsilon(name: str, value: Any, *, allow_zero: bool = False) -> float:
@@ -296,16 +344,21 @@ class PrivacyLedger:
     """Records releases, composes their costs and enforces a privacy budget.
 
     Call :meth:`check` (or :meth:`record`, which checks) BEFORE drawing a release's noise;
-    :meth:`release` does check, record and draw in that order. With a ``path``, every record is
-    written to that JSON file at once (append-only: a ledger file is never overwritten by one
-    with fewer or different entries). The composition rule is in the module docstring.
+    :meth:`release` does check, record and draw in that order. The composition rule is in the
+    module docstring.
+
+    With a ``path``, the ledger lives in that file (format and guarantees in the module
+    docstring): every :meth:`record` takes the file's lock, re-reads the file, checks the budget
+    against what the file holds (whatever other processes recorded), appends and fsyncs, and only
+    then returns. :meth:`check` and :meth:`refresh` also re-read the file; :meth:`spent`,
+    :attr:`entries` and ``len()`` show what this object read last.
 
     :param budget_epsilon: total epsilon allowed (``None``: unlimited).
     :param budget_delta: total delta allowed, in [0, 1) (``None``: unlimited); also the delta
         at which Gaussian releases are reported.
     :param neighbouring: the relation of every recorded cost (``None``: that of the first).
-    :param path: JSON file to persist to after each record; must not exist yet (use
-        :meth:`load` to continue a ledger).
+    :param path: ledger file to create and record to; must not exist yet (use :meth:`load` to
+        continue a ledger, from this process or any other).
 
     >>> from d3pext.accountants.ledger import PrivacyCost, PrivacyLedger, PrivacyBudgetExceeded
     >>> ledger = PrivacyLedger(budget_epsilon=1.0)
@@ -317,6 +370,23 @@ class PrivacyLedger:
     ... except PrivacyBudgetExceeded:
     ...     print("refused")
     refused
+
+    A file-backed ledger shared by two curators (two processes, or as here two objects):
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "survey.ledger")
+    >>> alice = PrivacyLedger(budget_epsilon=1.0, path=path)
+    >>> bob = PrivacyLedger.load(path)
+    >>> _ = alice.record("mean", PrivacyCost("laplace", 0.6))
+    >>> len(bob)  # bob's view is from when he loaded ...
+    0
+    >>> bob.record("count", PrivacyCost("laplace", 0.6))  # ... but record re-reads the file
+    Traceback (most recent call last):
+    ...
+    d3pext.accountants.ledger.PrivacyBudgetExceeded: release would spend epsilon 1.2 in total, budget 1
+    >>> len(bob), len(open(path).read().splitlines())  # one header line, one line per entry
+    (1, 2)
+    >>> import shutil; shutil.rmtree(os.path.dirname(path))
     """
 
     def __init__(
@@ -338,12 +408,14 @@ class PrivacyLedger:
         self.path: Optional[Path] = None
         if path is not None:
             path = Path(path)
-            if path.exists():
-                raise FileExistsError(
-                    f"a ledger already exists at {path}; continue it with PrivacyLedger.load"
-                )
+            with _locked(path):
+                if path.exists():
+                    raise FileExistsError(
+                        f"a ledger already exists at {path}; continue it with PrivacyLedger.load"
+                    )
+                _remove_orphans(path)
+                _write_new(path, self._header(), [])
             self.path = path
-            self.save(path)
 
     @property
     def entries(self) -> tuple[LedgerEntry, ...]:
@@ -367,12 +439,22 @@ class PrivacyLedger:
 
     def check(self, cost: PrivacyCost, *more: PrivacyCost) -> tuple[float, float]:
         """The (epsilon, delta) spent after ``cost`` (and ``more``, all together); raises if they
-        break a rule or the budget.
+        break a rule or the budget. With a ``path``, re-reads the file first (:meth:`refresh`).
+
+        Only :meth:`record` reserves the budget: another process may spend it between a
+        ``check`` and a ``record``.
 
         :raises PrivacyBudgetExceeded: if the releases would exceed the budget.
         :raises ValueError: if a neighbouring relation differs from the ledger's.
         """
         costs = [cost, *more]
+        for c in costs:
+            if not isinstance(c, PrivacyCost):
+                raise TypeError(f"cost must be a PrivacyCost, got {type(c).__name__}")
+        self.refresh()
+        return self._check(costs)
+
+    def _check(self, costs: list[PrivacyCost]) -> tuple[float, float]:
         relation = self.neighbouring
         for c in costs:
             if not isinstance(c, PrivacyCost):
@@ -399,7 +481,11 @@ class PrivacyLedger:
     def record(self, name: str, cost: PrivacyCost, note: str = "") -> LedgerEntry:
         """Check ``cost`` against the budget, then append it (and save, with a ``path``).
 
+        With a ``path``, the check is against the file's contents under its lock, and the entry
+        is on disk (fsynced) when this returns.
+
         :raises PrivacyBudgetExceeded: if the release would exceed the budget (nothing recorded).
+        :raises LedgerError: if the file is damaged, or no longer holds what this ledger read.
         """
         return self.record_many([(name, cost)], note)[0]
 
@@ -418,26 +504,36 @@ class PrivacyLedger:
         items = list(items)
         if not items:
             return []
-        for name, _ in items:
+        for name, cost in items:
             if not isinstance(name, str):
                 raise TypeError(f"name must be a string, got {type(name).__name__}")
             if not name:
                 raise ValueError("name must not be empty")
+            if not isinstance(cost, PrivacyCost):
+                raise TypeError(f"cost must be a PrivacyCost, got {type(cost).__name__}")
         if not isinstance(note, str):
             raise TypeError("note must be a string")
-        self.check(*(cost for _, cost in items))
-        now = datetime.now(timezone.utc).isoformat()
-        entries = [LedgerEntry(name, cost, now, note) for name, cost in items]
+        costs = [cost for _, cost in items]
+        if self.path is None:
+            self._check(costs)
+            entries = self._new_entries(items, note)
+        else:
+            with _locked(self.path):
+                _remove_orphans(self.path)
+                state = _read_state(self.path)
+                self._adopt(state)  # the file, not this object, says what has been spent
+                self._check(costs)
+                entries = self._new_entries(items, note)
+                _append(self.path, state, entries)  # written and fsynced, or nothing written
         self._entries.extend(entries)
         if self.neighbouring is None:
             self.neighbouring = entries[0].cost.neighbouring
-        if self.path is not None:
-            try:
-                self.save(self.path)
-            except BaseException:
-                del self._entries[-len(entries):]
-                raise
         return entries
+
+    @staticmethod
+    def _new_entries(items: list[tuple[str, PrivacyCost]], note: str) -> list[LedgerEntry]:
+        now = datetime.now(timezone.utc).isoformat()
+        return [LedgerEntry(name, cost, now, note) for name, cost in items]
 
     def release(
         self, name: str, mechanism: Any, value: Any, rng_key: Any = None, note: str = ""
@@ -459,54 +555,105 @@ class PrivacyLedger:
 
     # -- persistence ------------------------------------------------------------------------
 
-    def to_dict(self) -> dict[str, Any]:
+    def _header(self) -> dict[str, Any]:
         return {
             "format": _FORMAT,
             "version": _VERSION,
             "budget_epsilon": self.budget_epsilon,
             "budget_delta": self.budget_delta,
             "neighbouring": self.neighbouring,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole ledger as one JSON-able document (the version-1 file layout, which
+        :meth:`load` reads too)."""
+        return {
+            "format": _FORMAT,
+            "version": 1,
+            "budget_epsilon": self.budget_epsilon,
+            "budget_delta": self.budget_delta,
+            "neighbouring": self.neighbouring,
             "entries": [e.to_dict() for e in self._entries],
         }
 
-    def save(self, path: Union[str, os.PathLike]) -> None:
-        """Write the ledger to ``path`` as JSON (atomically).
+    def _adopt(self, state: "_LedgerState") -> None:
+        """Take the file's entries as the truth, after checking that they extend ours."""
+        mine = (self.budget_epsilon, self.budget_delta)
+        theirs = (state.budget_epsilon, state.budget_delta)
+        if mine != theirs:
+            raise LedgerError(
+                f"{state.path} has budget (epsilon, delta) = {theirs}, this ledger {mine};"
+                " refusing to record under a budget that differs from the file's"
+            )
+        if not _extends(state.entries, self._entries):
+            raise LedgerError(
+                f"{state.path} holds {len(state.entries)} entries that do not extend the"
+                f" {len(self._entries)} this ledger read from it (was the file replaced or rolled"
+                " back?); refusing to go on"
+            )
+        self._entries = list(state.entries)
+        self.neighbouring = state.neighbouring
 
-        :raises ValueError: if ``path`` holds a ledger whose entries are not a prefix of this
-            ledger's entries (fewer or different entries would forget spent budget).
+    def refresh(self) -> "PrivacyLedger":
+        """Re-read the ledger's file (a no-op without a ``path``): what other processes
+        recorded since this object last read it. Returns the ledger.
+
+        :raises LedgerError: if the file is damaged, or no longer extends what this ledger read.
+        """
+        if self.path is not None:
+            with _locked(self.path, exclusive=False):
+                state = _read_state(self.path)
+            _warn_torn(state, "ignoring it")
+            self._adopt(state)
+        return self
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the ledger to ``path``: create the file, or append the entries it lacks.
+
+        Takes the file's lock; a version-1 file (one JSON document) is rewritten as version 2
+        (atomically). ``path`` need not be this ledger's own ``path``.
+
+        :raises LedgerError: (a ``ValueError``) if ``path`` holds a ledger whose entries are not
+            a prefix of this ledger's entries (fewer or different entries would forget spent
+            budget), or one with a different budget.
         """
         path = Path(path)
-        data = self.to_dict()
-        if path.exists():
-            existing = _read(path)["entries"]
-            if existing != data["entries"][: len(existing)] or len(existing) > len(self._entries):
-                raise ValueError(
+        with _locked(path):
+            _remove_orphans(path)
+            if not path.exists():
+                _write_new(path, self._header(), self._entries)
+                return
+            state = _read_state(path)
+            existing = state.entries
+            if len(existing) > len(self._entries) or not _extends(self._entries, existing):
+                raise LedgerError(
                     f"{path} holds a ledger with {len(existing)} entries that this ledger"
                     f" ({len(self._entries)} entries) does not extend; refusing to overwrite it"
                 )
-        text = json.dumps(data, indent=2, allow_nan=False)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+            theirs = (state.budget_epsilon, state.budget_delta)
+            mine = (self.budget_epsilon, self.budget_delta)
+            if theirs != mine:
+                raise LedgerError(
+                    f"{path} holds a ledger with budget (epsilon, delta) = {theirs}, this ledger"
+                    f" {mine}; refusing to overwrite it"
+                )
+            _append(path, state, self._entries[len(existing):])
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "PrivacyLedger":
-        """Read a ledger written by :meth:`save`; later records are saved back to ``path``."""
+        """Read a ledger file (version 2, or a version-1 JSON document); later records go to it.
+
+        An incomplete final line (a write cut off by a crash, so never acknowledged) is ignored
+        with a :class:`LedgerWarning`; any other damage raises :class:`LedgerError`.
+        """
         path = Path(path)
-        data = _read(path)
-        ledger = cls(
-            data["budget_epsilon"], data["budget_delta"], neighbouring=data["neighbouring"]
-        )
-        ledger._entries = [LedgerEntry.from_dict(e) for e in data["entries"]]
-        compose(ledger._costs())  # validates that the relations agree
+        if not path.exists():
+            raise FileNotFoundError(f"no ledger at {path}")
+        with _locked(path, exclusive=False):
+            state = _read_state(path)
+        _warn_torn(state, "ignoring it")
+        ledger = cls(state.budget_epsilon, state.budget_delta, neighbouring=state.neighbouring)
+        ledger._entries = list(state.entries)
         ledger.path = path
         return ledger
 
@@ -547,11 +694,306 @@ class PrivacyLedger:
         )
 
 
-def _read(path: Path) -> dict[str, Any]:
-    with open(path) as f:
-        data = json.load(f)
-    if not isinstance(data, dict) or data.get("format") != _FORMAT:
-        raise ValueError(f"{path} is not a d3pext privacy ledger")
-    if data.get("version") != _VERSION:
-        raise ValueError(f"{path}: unsupported ledger version {data.get('version')!r}")
-    return data
+# ---------------------------------------------------------------------------------------------
+# The ledger file: lock, journal, parsing
+# ---------------------------------------------------------------------------------------------
+
+
+def _extends(longer: list[LedgerEntry], prefix: list[LedgerEntry]) -> bool:
+    return len(longer) >= len(prefix) and all(
+        a.to_dict() == b.to_dict() for a, b in zip(longer, prefix)
+    )
+
+
+@contextlib.contextmanager
+def _locked(path: Path, *, exclusive: bool = True) -> Iterator[None]:
+    """Hold the ledger's lock: ``flock`` on the sidecar file ``<path>.lock`` (never deleted).
+
+    The lock is on a sidecar file, not on the ledger, because a version-1 file is migrated by
+    an atomic rename. The OS releases it when its holder dies (``kill -9`` included), so a crash
+    never leaves a stale lock. Without ``fcntl`` (Windows) ``msvcrt.locking`` is used, always
+    exclusive. A shared (reading) lock in a directory that nobody may write is skipped.
+    """
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        if exclusive or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        try:
+            fd = os.open(lock_path, os.O_RDONLY)
+        except OSError:
+            fd = None  # read-only place and no lock file: nobody can be writing there
+    if fd is None:
+        yield
+        return
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        elif msvcrt is not None:  # pragma: no cover (Windows)
+            while True:
+                try:
+                    msvcrt.locking(fd, msvcrt.LK_LOCK, 1)  # gives up after about 10 s: retry
+                    break
+                except OSError:
+                    pass
+        else:  # pragma: no cover
+            raise OSError("no file locking on this platform (need fcntl or msvcrt)")
+        try:
+            yield
+        finally:
+            if fcntl is None and msvcrt is not None:  # pragma: no cover (Windows)
+                os.lseek(fd, 0, os.SEEK_SET)
+                msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+    finally:
+        os.close(fd)  # releases an flock
+
+
+def _temp_pattern(path: Path) -> "re.Pattern[str]":
+    # tempfile.mkstemp(prefix=path.name, suffix=".tmp"): 8 characters from [a-z0-9_] between.
+    return re.compile(re.escape(path.name) + r"[a-z0-9_]{8}\.tmp")
+
+
+def _remove_orphans(path: Path) -> None:
+    """Remove temporary files of this ledger left by a crash (call under the exclusive lock:
+    writers only make temporary files under it, so none is in use)."""
+    pattern = _temp_pattern(path)
+    with os.scandir(path.parent) as it:
+        for item in it:
+            if pattern.fullmatch(item.name) and item.is_file(follow_symlinks=False):
+                try:
+                    os.remove(item.path)
+                except FileNotFoundError:
+                    pass
+
+
+def _fsync_dir(directory: Path) -> None:
+    if os.name == "nt":  # pragma: no cover (directories cannot be opened, nor need fsync)
+        return
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _line(data: Mapping[str, Any]) -> bytes:
+    return (json.dumps(data, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _write_new(path: Path, header: Mapping[str, Any], entries: list[LedgerEntry]) -> None:
+    """Write a complete version-2 file atomically: temporary file, fsync, rename, fsync dir."""
+    payload = _line(header) + b"".join(_line(e.to_dict()) for e in entries)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        try:
+            _write_all(fd, payload)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _append(path: Path, state: "_LedgerState", entries: list[LedgerEntry]) -> None:
+    """Append ``entries`` to the file read as ``state`` (under the exclusive lock), fsynced.
+
+    Drops an incomplete final line first (with a warning); a version-1 file is rewritten as
+    version 2. On any failure the file is cut back to what it held: nothing is half-recorded.
+    """
+    if state.version == 1:
+        header = {
+            "format": _FORMAT, "version": _VERSION, "budget_epsilon": state.budget_epsilon,
+            "budget_delta": state.budget_delta, "neighbouring": state.neighbouring,
+        }
+        _write_new(path, header, state.entries + entries)
+        return
+    if not entries and state.torn is None and not state.unterminated:
+        return
+    _warn_torn(state, "removing it")
+    payload = (b"\n" if state.unterminated else b"") + b"".join(
+        _line(e.to_dict()) for e in entries
+    )
+    fd = os.open(path, os.O_RDWR | getattr(os, "O_BINARY", 0))
+    try:
+        try:
+            if state.torn is not None:
+                os.ftruncate(fd, state.good_size)
+            os.lseek(fd, state.good_size, os.SEEK_SET)
+            _write_all(fd, payload)
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, state.good_size)  # never acknowledged: leave no trace
+            os.fsync(fd)
+            raise
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _LedgerState:
+    """What a ledger file holds, as read under its lock."""
+
+    path: Path
+    version: int
+    budget_epsilon: Optional[float]
+    budget_delta: Optional[float]
+    neighbouring: Optional[str]
+    entries: list[LedgerEntry]
+    good_size: int = 0  # bytes up to the end of the last good line
+    unterminated: bool = False  # the last good line has no newline (add one before appending)
+    torn: Optional[str] = None  # an incomplete final line after good_size: what to say about it
+
+
+def _warn_torn(state: _LedgerState, action: str) -> None:
+    if state.torn is not None:
+        warnings.warn(f"{state.torn}; {action}", LedgerWarning, stacklevel=3)
+
+
+def _last_good(entries: list[LedgerEntry], lineno: Optional[int]) -> str:
+    if not entries:
+        return "there is no good entry before it"
+    e = entries[-1]
+    where = "" if lineno is None else f" (line {lineno})"
+    return f"the last good entry is #{len(entries)} {e.name!r} of {e.timestamp}{where}"
+
+
+def _header_fields(path: Path, head: Mapping[str, Any], where: str) -> tuple:
+    try:
+        eps, delta, relation = head["budget_epsilon"], head["budget_delta"], head["neighbouring"]
+        return (
+            None if eps is None else _check_epsilon("budget_epsilon", eps),
+            None if delta is None else _check_delta("budget_delta", delta),
+            None if relation is None else _check_neighbouring(relation),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise LedgerError(f"{path}{where}: bad ledger header ({type(e).__name__}: {e})") from e
+
+
+def _check_format(path: Path, head: Any) -> int:
+    if not isinstance(head, dict) or head.get("format") != _FORMAT:
+        raise LedgerError(f"{path} is not a d3pext privacy ledger")
+    version = head.get("version")
+    if version not in (1, _VERSION):
+        raise LedgerError(f"{path}: unsupported ledger version {version!r}")
+    return version
+
+
+def _entry(data: Any) -> LedgerEntry:
+    if not isinstance(data, dict):
+        raise TypeError(f"an entry must be a JSON object, got {type(data).__name__}")
+    return LedgerEntry.from_dict(data)
+
+
+def _relation(path: Path, relation: Optional[str], entry: LedgerEntry, where: str, entries) -> str:
+    if relation is not None and entry.cost.neighbouring != relation:
+        raise LedgerError(
+            f"{path}{where}: entry {entry.name!r} is under the {entry.cost.neighbouring!r}"
+            f" relation, the ledger's is {relation!r}; {_last_good(entries, None)}"
+        )
+    return entry.cost.neighbouring
+
+
+def _read_state(path: Path) -> _LedgerState:
+    with open(path, "rb") as f:
+        data = f.read()
+    return _parse(path, data)
+
+
+def _parse(path: Path, data: bytes) -> _LedgerState:
+    if not data.strip():
+        raise LedgerError(f"{path} is empty: not a d3pext privacy ledger (no header line)")
+    lines = data.split(b"\n")
+    terminated = lines[-1] == b""
+    if terminated:
+        lines.pop()
+    try:
+        head = json.loads(lines[0].decode("utf-8"))
+    except ValueError:
+        head = None
+    if head is None or (isinstance(head, dict) and head.get("version") == 1):
+        return _parse_v1(path, data)
+    _check_format(path, head)
+    eps, delta, relation = _header_fields(path, head, ", line 1")
+    state = _LedgerState(path, _VERSION, eps, delta, relation, [])
+    state.good_size = len(lines[0]) + (1 if len(lines) > 1 or terminated else 0)
+    state.unterminated = len(lines) == 1 and not terminated
+    last_lineno = None
+    for index in range(1, len(lines)):
+        lineno, raw = index + 1, lines[index]
+        final_unterminated = index == len(lines) - 1 and not terminated
+        if raw.strip():
+            try:
+                data_ = json.loads(raw.decode("utf-8"))
+            except ValueError as e:  # UnicodeDecodeError is a ValueError too
+                if final_unterminated:
+                    state.torn = (
+                        f"{path}, line {lineno}: incomplete final line (no newline: a write cut"
+                        " off by a crash, never acknowledged); "
+                        + _last_good(state.entries, last_lineno)
+                    )
+                    break
+                raise LedgerError(
+                    f"{path}, line {lineno}: not valid JSON ({e}); "
+                    f"{_last_good(state.entries, last_lineno)}. {_DAMAGED}"
+                ) from e
+            try:
+                entry = _entry(data_)
+            except (KeyError, TypeError, ValueError) as e:
+                raise LedgerError(
+                    f"{path}, line {lineno}: not a ledger entry ({type(e).__name__}: {e}); "
+                    f"{_last_good(state.entries, last_lineno)}. {_DAMAGED}"
+                ) from e
+            relation = _relation(path, relation, entry, f", line {lineno}", state.entries)
+            state.entries.append(entry)
+            last_lineno = lineno
+        state.good_size += len(raw) + (0 if final_unterminated else 1)
+        state.unterminated = final_unterminated
+    state.neighbouring = relation
+    return state
+
+
+def _parse_v1(path: Path, data: bytes) -> _LedgerState:
+    """A version-1 file: one JSON document ``{"format", "version": 1, budgets, "entries"}``."""
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except ValueError as e:
+        if b"\n" not in data.rstrip(b"\n"):
+            raise LedgerError(f"{path} is not a d3pext privacy ledger (line 1: {e})") from e
+        raise LedgerError(
+            f"{path} is neither a version-2 ledger (line 1 is not a JSON header) nor a valid"
+            f" version-1 JSON document ({e}). {_DAMAGED}"
+        ) from e
+    _check_format(path, doc)
+    eps, delta, relation = _header_fields(path, doc, "")
+    entries: list[LedgerEntry] = []
+    raw_entries = doc.get("entries")
+    if not isinstance(raw_entries, list):
+        raise LedgerError(f"{path}: a version-1 ledger needs an 'entries' list. {_DAMAGED}")
+    for k, raw in enumerate(raw_entries, start=1):
+        try:
+            entry = _entry(raw)
+        except (KeyError, TypeError, ValueError) as e:
+            raise LedgerError(
+                f"{path}, entry #{k}: not a ledger entry ({type(e).__name__}: {e}); "
+                f"{_last_good(entries, None)}. {_DAMAGED}"
+            ) from e
+        relation = _relation(path, relation, entry, f", entry #{k}", entries)
+        entries.append(entry)
+    return _LedgerState(path, 1, eps, delta, relation, entries, good_size=len(data))
+
+
+_DAMAGED = (
+    "The ledger is damaged and may have lost spent budget: refusing to use it (restore it from"
+    " a backup)"
+)

@@ -59,6 +59,7 @@ _LAZY = {
     "approximate_sigma": "d3pext.accountants.fourier",
     "epsilon": "d3pext.accountants.fourier",
     "secure_key": "d3pext.prng",
+    "enable_compile_cache": "d3pext.compile_cache",
 }
 
 MOVED_MODULES = {

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from numpyro.infer import MCMC
 from numpyro.infer.mcmc import MCMCKernel
+from numpyro.primitives import Messenger
 from numpyro.util import is_prng_key
 
 from d3pext.inference.registry import backends, build_kernel, method_kind
@@ -32,6 +33,28 @@ from d3pext.inference.structure import RELEASES_KWARG, inspect_model
 __all__ = ["PrivatePosterior", "private_posterior", "sample_releases"]
 
 _SECTIONS = ("joint", "independent")
+
+
+class _tool_view(Messenger):
+    """The privatized model as post-processing tools see it (``PrivatePosterior.model``).
+
+    ArviZ's ``from_numpyro`` traces ``mcmc.sampler.model`` (under ``jax.eval_shape``, to name
+    dimensions) and computes the log-likelihood of its observed sites *without* a seed. A release
+    site carries its statistic (an array) in ``infer``, which ``eval_shape`` cannot return, and
+    the likelihood of a release given the parameters integrates over the confidential data, which
+    are not among the draws. This view hides the release sites (given their statistic as value, so
+    no noise is drawn) and the observed sites (releases conditioned on, factors of constrained
+    priors), so ArviZ gets the posterior, its dimensions and no (wrong) log-likelihood.
+    """
+
+    def process_message(self, msg):
+        if msg["type"] != "sample":
+            return
+        infer = msg.get("infer") or {}
+        if msg["is_observed"] or "privatize" in infer:
+            if msg["value"] is None:
+                msg["value"] = infer.get("statistic")
+            msg["stop"] = True
 
 
 class PrivatePosterior(MCMCKernel):
@@ -69,7 +92,9 @@ class PrivatePosterior(MCMCKernel):
 
     @property
     def model(self) -> Callable:
-        return self._model
+        """The privatized model with its release and observed sites hidden, for ArviZ's
+        ``from_numpyro`` (see :class:`_tool_view`); the kernels run the model itself."""
+        return _tool_view(self._model)
 
     def prepare(self, model_args: tuple = (), model_kwargs: dict | None = None) -> MCMCKernel:
         """Trace the model, pick the backend and build its kernel (done by ``init`` if needed)."""

@@ -210,7 +210,23 @@ class privatize(Messenger):
             return jnp.mean(x), (b - a) / n, n, ()
         return jnp.var(x, ddof=1), (b - a) ** 2 / n, n, ()
 
+    def _check_records(self, msg: dict) -> None:
+        """The confidential data must have exactly the plate's number of records: the plate's
+        size sets n, and with it the sensitivity."""
+        shape = jnp.shape(msg["value"])
+        event_dim = len(getattr(msg["fn"], "event_shape", ()))
+        for frame in msg["cond_indep_stack"]:
+            axis = len(shape) - event_dim + frame.dim
+            if 0 <= axis < len(shape) and shape[axis] != frame.size:
+                raise ValueError(
+                    f"privatize({self.site!r}): the confidential data have {shape[axis]} records along plate "
+                    f"{frame.name!r} of size {frame.size}; the plate's size must be the number of records "
+                    "(it sets n, and with it the sensitivity). Nothing was released."
+                )
+
     def _emit(self, msg: dict) -> None:
+        if msg["is_observed"]:
+            self._check_records(msg)
         stat, derived, n, stat_shape = self._statistic(msg)
         if msg["is_observed"] and _is_concrete(stat):
             finite = np.isfinite(np.asarray(stat, dtype=float))

@@ -110,7 +110,9 @@ def _check_n(n: int) -> int:
 class NaiveBayesRecords(dist.Distribution):
     """One record ``(y, x_1..x_K)`` of the naive-Bayes model (event shape ``(K + 1,)``).
 
-    :param class_probs: ``(I,)``; :param feature_probs: a sequence of ``K`` arrays ``(I, J_k)``.
+    :param class_probs: ``(I,)``.
+    :param feature_probs: a sequence of ``K`` arrays ``(I, J_k)``.
+
     Parameters carry no batch dimensions (use a plate for the records).
 
     >>> from jax import random

@@ -202,4 +202,59 @@ def test_audit_command(capsys):
     assert main(["audit", "--releases", "2000", "--seed", "0"]) == 0
     out = capsys.readouterr().out
     assert "| GeometricMechanism (0 vs 1) | 1 |" in out
-    assert "no mechanism leaks more than it claims" in out
+    assert "no shipped mechanism leaks more than it claims" in out
+
+
+# ------------------------------------------------------------------ persistent compilation cache
+
+_COMPILE_SOMETHING = """
+import sys, d3pext, jax
+print(d3pext.enable_compile_cache(min_compile_time_secs=0.0) if sys.argv[1] == "enable" else None)
+jax.jit(lambda x: x * 2.0 + 1.0)(1.0).block_until_ready()
+"""
+
+
+def _cache_run(tmp_path, mode, **env):
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("D3PEXT_", "JAX_COMPILATION_CACHE"))}
+    clean["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SOMETHING, mode], capture_output=True, text=True,
+                          timeout=120, env={**clean, **env}, check=True)  # fmt: skip
+    return proc.stdout.strip()
+
+
+def _entries(directory):
+    return sorted(p.name for p in directory.rglob("*") if p.is_file()) if directory.exists() else []
+
+
+def test_compile_cache_writes_entries_and_honours_the_opt_out(tmp_path):
+    # the default directory: $XDG_CACHE_HOME/d3pext/jax
+    default = tmp_path / "xdg" / "d3pext" / "jax"
+    if sys.platform.startswith("linux"):
+        assert _cache_run(tmp_path, "enable") == str(default)
+        assert _entries(default)
+    # D3PEXT_CACHE_DIR overrides it
+    chosen = tmp_path / "chosen"
+    assert _cache_run(tmp_path, "enable", D3PEXT_CACHE_DIR=str(chosen)) == str(chosen)
+    assert any(name.startswith("jit_") for name in _entries(chosen))
+    # D3PEXT_NO_COMPILE_CACHE=1: nothing is written
+    off = tmp_path / "off"
+    assert _cache_run(tmp_path, "enable", D3PEXT_CACHE_DIR=str(off), D3PEXT_NO_COMPILE_CACHE="1") == "None"
+    assert not off.exists()
+    # the library never turns the cache on by itself
+    shutil.rmtree(tmp_path / "xdg", ignore_errors=True)
+    assert _cache_run(tmp_path, "leave") == "None"
+    assert not (tmp_path / "xdg").exists()
+
+
+def test_cli_turns_the_compile_cache_on(monkeypatch):
+    import d3pext.compile_cache
+
+    calls = []
+    monkeypatch.setattr(d3pext.compile_cache, "enable_compile_cache", lambda *a, **k: calls.append(1))
+    with pytest.raises(SystemExit):  # a batch larger than the data: refused after the cache call
+        main(["demo", "--batch-size", "100000"])
+    assert calls == [1]
+    main(["epsilon", "--sigma", "2", "--q", "0.01", "--steps", "10", "--delta", "1e-5"])
+    assert calls == [1]  # the accounting commands compile nothing and leave JAX alone

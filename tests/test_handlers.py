@@ -366,3 +366,17 @@ def test_make_release_is_all_or_nothing_and_refuses_nonfinite(monkeypatch):
     with pytest.raises(ValueError, match="non-finite"):
         make_release(private, 3, jnp.array([0.0, jnp.nan, 1.0]), ledger=ledger)
     assert len(ledger) == 0
+
+
+def test_a_release_refuses_data_with_more_records_than_its_plate():
+    """The plate's size sets n and the sensitivity of a mean: 7 records in a plate of 5 are refused."""
+
+    def model(n, x=None):
+        theta = numpyro.sample("theta", dist.Beta(1.0, 1.0))
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Bernoulli(theta), obs=x)
+
+    for kw in ({}, {"statistic": "sample_mean", "bounds": (0.0, 1.0)}):
+        private = privatize(model, site="x", mechanism=LaplaceMechanism(0.5), **kw)
+        with pytest.raises(ValueError, match="7 records along plate 'records' of size 5"):
+            make_release(private, 5, jnp.array([1, 0, 1, 1, 0, 1, 1.0]), rng_key=jax.random.key(0), reproducible=True)

@@ -3,6 +3,16 @@
 from datetime import datetime
 import json
 import math
+import os
+from pathlib import Path
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
 
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
@@ -10,6 +20,8 @@ import pytest
 
 from d3pext.accountants.ledger import (
     LedgerEntry,
+    LedgerError,
+    LedgerWarning,
     PrivacyBudgetExceeded,
     PrivacyCost,
     PrivacyLedger,
@@ -257,8 +269,9 @@ def test_save_load_round_trip_and_append_only(tmp_path):
     ledger.record("mean", PrivacyCost("laplace", 0.5, parameters={"scale": 2.0}), note="n = 100")
     ledger.record("sum", gaussian_cost(4.0, 1e-6))
     ledger.save(path)
-    data = json.loads(path.read_text())
-    assert data["format"] == "d3pext-privacy-ledger" and len(data["entries"]) == 2
+    header, *lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert header["format"] == "d3pext-privacy-ledger" and header["version"] == 2
+    assert lines == [e.to_dict() for e in ledger.entries]
 
     loaded = PrivacyLedger.load(path)
     assert loaded.entries == ledger.entries
@@ -321,3 +334,300 @@ def test_summary_is_a_readable_table():
     assert f"spent: epsilon={eps:.6g}, delta={delta:.6g}" in text
     assert f"remaining: epsilon={2.0 - eps:.6g}" in text
     assert "spent=" in repr(ledger)
+
+
+# ---------------------------------------------------------------------------------------------
+# the ledger file: several processes, crashes, damage
+# ---------------------------------------------------------------------------------------------
+
+# A worker process, driven through its stdin. "load PATH": load a ledger; "go EPS T": at time T,
+# record a spend of EPS from it, say whether it was acknowledged; "loop PATH NAME": record small
+# spends forever, printing each name once record returned; "unlock": disable the file lock (only
+# for checking by hand that the race test can fail). Loading before "go" gives every worker the
+# same stale in-memory view, which is what a budget check without the file's lock would trust.
+_WORKER = r"""
+import contextlib, sys, time
+import d3pext.accountants.ledger as L
+me = sys.argv[1]
+print("ready", flush=True)
+ledger = None
+for line in sys.stdin:
+    command, *args = line.split()
+    if command == "unlock":
+        L._locked = lambda *args, **kwargs: contextlib.nullcontext()
+    elif command == "load":
+        ledger = L.PrivacyLedger.load(args[0])
+        print("loaded", flush=True)
+    elif command == "go":
+        time.sleep(max(float(args[1]) - time.time() - 0.005, 0))
+        while time.time() < float(args[1]):  # start together (a few microseconds apart)
+            pass
+        try:
+            ledger.record(me, L.PrivacyCost("laplace", float(args[0])))
+        except L.PrivacyBudgetExceeded:
+            print("refused", flush=True)
+        else:
+            print("ok", flush=True)
+    elif command == "loop":
+        ledger = L.PrivacyLedger.load(args[0])
+        for i in range(10**9):
+            ledger.record(f"{args[1]}-{i}", L.PrivacyCost("laplace", 1e-3))
+            print(f"{args[1]}-{i}", flush=True)
+"""
+
+
+class _Workers:
+    """Worker processes, started once per module (each needs a second or more to import)."""
+
+    def __init__(self):
+        self.procs, self.started = [], 0
+
+    def take(self, n):
+        while len(self.procs) < n:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-c", _WORKER, f"w{self.started}"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            ))
+            self.started += 1
+        for proc in self.procs[:n]:
+            if not getattr(proc, "ready", False):
+                _expect(proc, "ready")
+                proc.ready = True
+        return self.procs[:n]
+
+    def discard(self, procs):
+        self.procs = [p for p in self.procs if p not in procs]
+        _stop(procs)
+
+
+def _expect(proc, line):
+    got = proc.stdout.readline()
+    assert got == line + "\n", f"worker said {got!r}, expected {line!r}"
+
+
+def _stop(procs):
+    for proc in procs:
+        if proc.stdin and not proc.stdin.closed:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def workers():
+    pool = _Workers()
+    pool.take(8)  # start them all at once: they import in parallel
+    yield pool
+    _stop(pool.procs)
+
+
+def _race(procs, directory, trials, budget, epsilon_each):
+    """Each trial: every worker spends its epsilon from one fresh ledger at once. Returns, per
+    trial, the workers whose spend was acknowledged and the names in the file."""
+    results = []
+    for t in range(trials):
+        path = Path(directory) / f"race{len(procs)}-{t}.ledger"
+        PrivacyLedger(budget_epsilon=budget, path=path)
+        for proc in procs:
+            proc.stdin.write(f"load {path}\n")
+        for proc in procs:
+            _expect(proc, "loaded")
+        start = time.time() + 0.05
+        for proc in procs:
+            proc.stdin.write(f"go {epsilon_each} {start!r}\n")
+        answers = [proc.stdout.readline().strip() for proc in procs]
+        assert set(answers) <= {"ok", "refused"}, answers
+        names = [proc.args[3] for proc in procs]  # w0, w1, ...
+        acknowledged = {name for name, a in zip(names, answers) if a == "ok"}
+        results.append((acknowledged, [e.name for e in PrivacyLedger.load(path).entries]))
+    return results
+
+
+def test_processes_racing_on_one_ledger_never_overspend(tmp_path, workers):
+    # Two processes each spending 0.6 of a budget of 1.0: exactly one is acknowledged.
+    # (Without the lock, both were acknowledged in about half of the trials.)
+    for acknowledged, in_file in _race(workers.take(2), tmp_path, 20, 1.0, 0.6):
+        assert len(acknowledged) == 1
+        assert sorted(in_file) == sorted(acknowledged)
+    # Eight processes each spending 0.1 of 0.5: exactly five are acknowledged.
+    for acknowledged, in_file in _race(workers.take(8), tmp_path, 10, 0.5, 0.1):
+        assert len(acknowledged) == 5
+        assert sorted(in_file) == sorted(acknowledged)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs kill -9")
+def test_kill_9_while_recording_loses_no_acknowledged_spend(tmp_path, workers):
+    path = tmp_path / "busy.ledger"
+    PrivacyLedger(path=path)
+    rng = random.Random(0)
+    procs = workers.take(3)
+    acknowledged = set()
+    try:
+        for i, proc in enumerate(procs):
+            proc.stdin.write(f"loop {path} k{i}\n")
+        for proc in procs:  # each is in its loop
+            acknowledged.update(proc.stdout.readline().strip() for _ in range(2))
+        for proc in procs:  # kill them one by one, in the middle of their work
+            time.sleep(rng.uniform(0.02, 0.2))
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            acknowledged.update(line.strip() for line in proc.stdout)
+    finally:
+        workers.discard(procs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and the file loads cleanly
+        names = [e.name for e in PrivacyLedger.load(path).entries]
+    assert "" not in acknowledged and acknowledged <= set(names)  # no acknowledged spend is lost
+    assert len(names) == len(set(names))
+    # at most one unacknowledged entry per killed process (written, killed before it printed)
+    assert len(set(names) - acknowledged) <= 3
+    # The dead processes left no stale lock.
+    PrivacyLedger.load(path).record("after", PrivacyCost("laplace", 1e-3))
+    assert PrivacyLedger.load(path).entries[-1].name == "after"
+
+
+def _file_ledger(path, names=("a", "b")):
+    ledger = PrivacyLedger(budget_epsilon=1.0, path=path)
+    for name in names:
+        ledger.record(name, PrivacyCost("laplace", 0.25))
+    return ledger
+
+
+def _entry_line(name, epsilon=0.25):
+    entry = LedgerEntry(name, PrivacyCost("laplace", epsilon), "2024-01-01T00:00:00+00:00")
+    return (json.dumps(entry.to_dict()) + "\n").encode()
+
+
+def test_torn_final_line_is_dropped_with_a_warning(tmp_path):
+    path = tmp_path / "torn.ledger"
+    _file_ledger(path)
+    good = path.read_bytes()
+    line = _entry_line("c")
+    for cut in (1, len(line) // 2, len(line) - 2):  # the tail of a write cut off by a crash
+        path.write_bytes(good + line[:cut])
+        message = rf"{re.escape(str(path))}, line 4: incomplete final line.*last good entry is #2"
+        with pytest.warns(LedgerWarning, match=message + " 'b'.*ignoring it"):
+            ledger = PrivacyLedger.load(path)
+        assert [e.name for e in ledger.entries] == ["a", "b"]
+        with pytest.warns(LedgerWarning, match="removing it"):
+            ledger.record("d", PrivacyCost("laplace", 0.25))
+        assert path.read_bytes().startswith(good) and path.read_bytes().count(b"\n") == 4
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert [e.name for e in PrivacyLedger.load(path).entries] == ["a", "b", "d"]
+    # A complete final line that only lacks its newline is kept (counted), and mended.
+    path.write_bytes(good + line[:-1])
+    ledger = PrivacyLedger.load(path)
+    assert ledger.spent() == (0.75, 0.0)
+    with pytest.raises(PrivacyBudgetExceeded):
+        ledger.record("e", PrivacyCost("laplace", 0.5))
+    ledger.record("e", PrivacyCost("laplace", 0.25))
+    assert [e.name for e in PrivacyLedger.load(path).entries] == ["a", "b", "c", "e"]
+
+
+def test_damaged_ledger_is_refused_with_the_place_of_the_damage(tmp_path):
+    path = tmp_path / "damaged.ledger"
+    stale = _file_ledger(path, names=("a", "b", "c"))
+    header, a, b, c = path.read_bytes().splitlines(keepends=True)
+    where = re.escape(str(path))
+    cases = [
+        (header + a + b[:20] + b"\n" + c, rf"{where}, line 3: not valid JSON.*#1 'a' .*line 2"),
+        (header + a + b + c[:30] + b"\n", rf"{where}, line 4: not valid JSON.*#2 'b' .*line 3"),
+        (header + b"\0" * 8 + b"\n" + a, rf"{where}, line 2: not valid JSON.*no good entry"),
+        (header + a + b.replace(b'"epsilon": 0.25', b'"epsilon": -1'),
+         rf"{where}, line 3: not a ledger entry.*epsilon.*#1 'a'"),
+        (header + a + _entry_line("x").replace(b"substitute", b"add_remove"),
+         rf"{where}, line 3: .*'add_remove'"),
+        (b"", rf"{where} is empty"),
+        (header[:25], rf"{where} is not a d3pext privacy ledger"),
+        (b"[1, 2]\n", "not a d3pext privacy ledger"),
+    ]
+    for content, message in cases:
+        path.write_bytes(content)
+        with pytest.raises(LedgerError, match=message) as info:
+            PrivacyLedger.load(path)
+        assert isinstance(info.value, ValueError)
+        with pytest.raises(LedgerError, match=message):  # nor is it written to
+            stale.record("d", PrivacyCost("laplace", 0.1))
+        assert path.read_bytes() == content
+    # A file that no longer extends what a ledger read from it (replaced, rolled back).
+    path.write_bytes(header + a)
+    with pytest.raises(LedgerError, match="rolled back"):
+        stale.record("d", PrivacyCost("laplace", 0.1))
+    with pytest.raises(LedgerError, match="rolled back"):
+        stale.check(PrivacyCost("laplace", 0.1))
+    assert path.read_bytes() == header + a
+
+
+def test_orphan_temporary_files_are_removed_under_the_lock(tmp_path):
+    path = tmp_path / "l.ledger"
+    ledger = _file_ledger(path, names=("a",))
+    fd, orphan = tempfile.mkstemp(dir=tmp_path, prefix=path.name, suffix=".tmp")  # as a crash
+    os.write(fd, b'{"format": "d3pext-privacy-ledger", "vers')  # of an earlier save left it
+    os.close(fd)
+    others = [tmp_path / n for n in ("l.ledger.tmp", "l.ledger.bak", "other.ledgerabcd1234.tmp",
+                                      "l.ledger-abcd1234.tmp.json")]
+    for other in others:
+        other.write_text("not ours")
+    assert len(PrivacyLedger.load(path)) == 1  # reading removes nothing
+    assert os.path.exists(orphan)
+    ledger.record("b", PrivacyCost("laplace", 0.25))
+    assert not os.path.exists(orphan)
+    assert all(other.read_text() == "not ours" for other in others)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [path.name, path.name + ".lock", *(o.name for o in others)]
+    )
+
+
+def test_version_1_file_loads_and_is_migrated_on_first_write(tmp_path):
+    path = tmp_path / "old.json"
+    entries = [LedgerEntry(n, PrivacyCost("laplace", 0.25), "2024-01-01T00:00:00+00:00")
+               for n in ("a", "b")]
+    old = {"format": "d3pext-privacy-ledger", "version": 1, "budget_epsilon": 1.0,
+           "budget_delta": None, "neighbouring": "substitute",
+           "entries": [e.to_dict() for e in entries]}
+    path.write_text(json.dumps(old, indent=2) + "\n")  # as version 1 saved it
+    fd, orphan = tempfile.mkstemp(dir=tmp_path, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    ledger = PrivacyLedger.load(path)
+    assert ledger.entries == tuple(entries) and ledger.spent() == (0.5, 0.0)
+    assert ledger.to_dict() == old
+    with pytest.raises(PrivacyBudgetExceeded):
+        PrivacyLedger.load(path).record("c", PrivacyCost("laplace", 0.6))
+    assert json.loads(path.read_text()) == old  # a refusal writes nothing
+    ledger.record("c", PrivacyCost("laplace", 0.5))
+    header, *lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert header == {"format": "d3pext-privacy-ledger", "version": 2, "budget_epsilon": 1.0,
+                      "budget_delta": None, "neighbouring": "substitute"}
+    assert [line["name"] for line in lines] == ["a", "b", "c"]
+    assert PrivacyLedger.load(path).entries == ledger.entries
+    assert not os.path.exists(orphan)
+    bad = dict(old, entries=[old["entries"][0], {"name": "b"}])
+    path.write_text(json.dumps(bad, indent=2))
+    with pytest.raises(LedgerError, match=r"entry #2: not a ledger entry.*#1 'a'"):
+        PrivacyLedger.load(path)
+
+
+def test_check_and_refresh_see_other_writers(tmp_path):
+    path = tmp_path / "shared.ledger"
+    mine = PrivacyLedger(budget_epsilon=1.0, budget_delta=1e-5, path=path)
+    theirs = PrivacyLedger.load(path)
+    theirs.record("theirs", PrivacyCost("laplace", 0.7))
+    assert len(mine) == 0  # a view as of loading ...
+    with pytest.raises(PrivacyBudgetExceeded):  # ... but check reads the file
+        mine.check(PrivacyCost("laplace", 0.5))
+    assert mine.refresh().spent() == (0.7, 0.0) and mine.remaining() == pytest.approx(0.3)
+    mine.budget_epsilon = 2.0  # a budget is the file's, not an object's
+    with pytest.raises(LedgerError, match="budget"):
+        mine.record("mine", PrivacyCost("laplace", 0.5))
+    with pytest.raises(LedgerError, match="refusing to overwrite"):
+        mine.save(path)
+    assert len(PrivacyLedger.load(path)) == 1

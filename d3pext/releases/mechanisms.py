@@ -133,9 +133,17 @@ def _discrete_gaussian_variance(
     Gaussian at that sensitivity (their discrete privacy curve is not computed here)."""
     sensitivity = resolution if size == 1 else resolution + math.sqrt(size)
     sigma = noise_multiplier * sensitivity
-    while size == 1 and discrete_gaussian_delta(epsilon, Fraction(sigma) ** 2, resolution) > delta:
+
+    def rounded_up(sigma: float) -> Fraction:
+        # sigma^2 rounded up to a multiple of 1/q with about 20 significant bits: more noise than
+        # asked for by at most a relative 2^-20, and small integers for the exact sampler
+        exact = Fraction(sigma) ** 2
+        q = 2 ** max(0, 20 - int(exact).bit_length())
+        return Fraction(math.ceil(exact * q), q)
+
+    while size == 1 and discrete_gaussian_delta(epsilon, rounded_up(sigma), resolution) > delta:
         sigma *= 1 + 2**-20
-    return Fraction(sigma) ** 2
+    return rounded_up(sigma)
 
 
 class ReproducibleReleaseWarning(UserWarning):

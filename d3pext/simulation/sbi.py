@@ -452,6 +452,35 @@ class SequentialEstimator:
         """``num_samples`` posterior draws (as ``MCMC.get_samples``), with a fixed key."""
         return self.sample(random.key(0), self.num_samples)
 
+    def to_inference_data(self, num_samples: int | None = None, rng_key: jax.Array | None = None):
+        """Posterior draws as an ArviZ ``InferenceData`` (needs ``pip install -e ".[arviz]"``).
+
+        Groups: ``posterior``, one chain of ``num_samples`` draws (default ``self.num_samples``,
+        key default ``random.key(0)``, the draws of :meth:`get_samples`); ``observed_data``, the
+        observed releases by release site. ``attrs["inference_method"]`` is ``"sppe"`` or ``"sple"``.
+        """
+        try:
+            import arviz as az
+        except ImportError as e:
+            raise ImportError(
+                f"{type(self).__name__}.to_inference_data needs ArviZ: pip install -e \".[arviz]\" "
+                "(or pip install arviz)."
+            ) from e
+        self._check_run()
+        num = self.num_samples if num_samples is None else num_samples
+        draws = jax.device_get(self.sample(random.key(0) if rng_key is None else rng_key, num))
+        sim = self.simulator
+        observed = np.asarray(sim.observed)
+        releases = {
+            name: observed[offset : offset + size].reshape(shape)
+            for name, (offset, size, shape) in sim._release_slices.items()
+        }
+        return az.from_dict(
+            posterior={k: np.asarray(v)[None] for k, v in draws.items()},
+            observed_data=releases,
+            attrs={"inference_library": "d3pext", "inference_method": self.method},
+        )
+
 
 _JITTED: dict = {}
 

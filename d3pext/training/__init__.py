@@ -7,7 +7,22 @@
 - :mod:`~d3pext.training.ghost`: per-record gradient norms of matrix-product weights from layer
   inputs and output gradients;
 - :mod:`~d3pext.training.minibatch`: Feistel fixed-size and Poisson minibatch samplers, each with
-  the neighbouring relation its accountant assumes.
+  the neighbouring relation its accountant assumes;
+- :mod:`~d3pext.training.checkpoint`: ``save_fit`` and ``load_fit``, the fitted parameters with
+  their privacy report in one ``.npz`` file (no pickle), e.g.
+  ``save_fit("fit.npz", result.params, result.privacy)``, then
+  ``fit = load_fit("fit.npz")`` and ``Predictive(model, guide=guide, params=fit.params)``.
 
 The secure random numbers (ChaCha20) are :mod:`d3pext.prng`, shared with the releases.
 """
+
+__all__ = ["SavedFit", "load_fit", "save_fit"]
+
+
+def __getattr__(name: str):
+    # lazy, so that importing one training module does not load the others
+    if name in __all__:
+        from d3pext.training import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

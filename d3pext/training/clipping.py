@@ -31,9 +31,11 @@ __all__ = [
     "CLIPPED_SUMS",
     "GHOST_THRESHOLD",
     "choose_clipping",
+    "clip_gradient",
     "clip_weights",
     "ghost_clipped_sum",
     "materialized_clipped_sum",
+    "normalize_gradient",
     "reweighted_clipped_sum",
     "tree_norms",
 ]
@@ -51,6 +53,34 @@ def tree_norms(tree: Any) -> jax.Array:
     """
     squares = [jnp.sum(jnp.reshape(g, (g.shape[0], -1)) ** 2, axis=1) for g in jax.tree.leaves(tree)]
     return jnp.sqrt(sum(squares))
+
+
+def clip_gradient(tree: Any, threshold: float) -> Any:
+    """``tree`` scaled to L2 norm at most ``threshold`` over all its leaves (d3p's ``clip_gradient``,
+    for one gradient; DPSVI clips each record's gradient itself).
+
+    >>> import jax.numpy as jnp
+    >>> clip_gradient({"a": jnp.array([3.0]), "b": jnp.array([4.0])}, 1.0)["b"]
+    Array([0.8], dtype=float32)
+    """
+    threshold = float(threshold)
+    if not (np.isfinite(threshold) and threshold > 0):
+        raise ValueError(f"threshold must be finite and > 0, got {threshold}")
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(tree)))
+    factor = threshold / jnp.maximum(norm, threshold)
+    return jax.tree.map(lambda g: g * factor, tree)
+
+
+def normalize_gradient(tree: Any) -> Any:
+    """``tree`` divided by its L2 norm over all leaves (d3p's ``normalize_gradient``); a zero
+    gradient stays zero.
+
+    >>> import jax.numpy as jnp
+    >>> normalize_gradient({"a": jnp.array([3.0, 4.0])})["a"]
+    Array([0.6, 0.8], dtype=float32)
+    """
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(tree)))
+    return jax.tree.map(lambda g: jnp.where(norm > 0, g / jnp.where(norm > 0, norm, 1.0), 0.0), tree)
 
 
 def choose_clipping(clipping: str, batch_size: int, params: Any) -> str:

@@ -32,6 +32,7 @@ __all__ = [
     "PoissonSampler",
     "feistel_indices",
     "poisson_batchify_data",
+    "split_batchify_data",
     "subsample_batchify_data",
 ]
 
@@ -449,6 +450,10 @@ class PoissonSampler:
         0.0
         """
         epsilon, num_steps = _check_extra_delta_args(epsilon, num_steps)
+        if self.tail_probability == 0.0:
+            return 0.0
+        if epsilon > 700.0:  # e^epsilon overflows: no meaningful delta is left
+            return math.inf
         return (1.0 + math.exp(epsilon)) * num_steps * self.tail_probability
 
 
@@ -600,3 +605,23 @@ def poisson_batchify_data(
     )
     num_batches = num_records // max(1, int(q * num_records))
     return _batchify(sampler, arrays, num_batches, return_mask=True)
+
+
+def split_batchify_data(*args: object, **kwargs: object) -> None:
+    """d3p's shuffle-then-split batchifier: refused, with what to use instead.
+
+    Shuffling once per epoch and cutting the permutation into batches makes the steps of an epoch
+    dependent (each record is in exactly one batch), which neither relation of the accountants
+    models; its privacy would be reported wrongly.
+
+    >>> split_batchify_data((None,), batch_size=10)
+    Traceback (most recent call last):
+    ...
+    NotImplementedError: split_batchify_data (shuffle, then split each epoch) has no accountant here ...
+    """
+    raise NotImplementedError(
+        "split_batchify_data (shuffle, then split each epoch) has no accountant here that matches it, so its privacy "
+        "would be reported wrongly. Use subsample_batchify_data (uniform fixed-size batches, substitute relation), "
+        "poisson_batchify_data (Poisson batches with a mask, add/remove relation), or plate mode, where DPSVI draws "
+        "the batches itself."
+    )

@@ -20,6 +20,7 @@ are exact and noise-free; the clipping budget ``C`` is spent on the likelihood a
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from dataclasses import dataclass
@@ -33,23 +34,29 @@ from jax import lax, random
 
 from numpyro.handlers import Messenger, replay, seed, substitute, trace
 from numpyro.infer import SVI, Trace_ELBO
+from numpyro.util import is_prng_key
 
 from d3pext import accountants
 from d3pext.accountants import Relation
 from d3pext.training.clipping import CLIPPED_SUMS, choose_clipping
+from d3pext.training.dependence import dependent_outputs
 from d3pext.training.minibatch import FixedSizeSampler, PoissonSampler
+from d3pext.training.parallel import check_mesh, data_parallel_clipped_sum
 from d3pext.prng import secure_key, threefry_key
 
 __all__ = ["DPSVI", "DPSVIState", "DPSVIRunResult", "PrivacyReport"]
 
 
 class DPSVIState(NamedTuple):
-    """State of :class:`DPSVI`: NumPyro's ``SVIState`` fields plus the number of private steps taken."""
+    """State of :class:`DPSVI`: NumPyro's ``SVIState`` fields, the number of private steps taken,
+    and the number of sampled records left out of a step because their loss or gradient was not
+    finite (like the losses, that count is computed on the data and is not private)."""
 
     optim_state: Any
     mutable_state: Any
     rng_key: Any
     num_steps: Any
+    num_dropped: Any = 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,30 @@ class _FirstIndices(Messenger):
             msg["value"] = jnp.arange(msg["args"][1])
 
 
+class _PlateCheck(Messenger):
+    """Raises a clear error for a plate whose sizes cannot be right or an observed site whose
+    records do not match its plate (run only to explain why the model failed to initialise)."""
+
+    def process_message(self, msg):
+        if msg["type"] == "plate":
+            size, subsample_size = msg["args"]
+            if subsample_size is not None and not 1 <= subsample_size <= size:
+                raise ValueError(
+                    f"plate {msg['name']!r}: subsample_size={subsample_size} must be between 1 and the plate's size {size}"
+                )
+        elif msg["type"] == "sample" and msg["is_observed"]:
+            shape = jnp.shape(msg["value"])
+            event_dim = len(getattr(msg["fn"], "event_shape", ()))
+            for frame in msg["cond_indep_stack"]:
+                axis = len(shape) - event_dim + frame.dim
+                if 0 <= axis < len(shape) and shape[axis] not in (1, frame.size):
+                    raise ValueError(
+                        f"observed site {msg['name']!r} has {shape[axis]} records along plate {frame.name!r} of size "
+                        f"{frame.size}: the data plate's size must be the number of records N (or, with "
+                        "subsample_size, the data must have N records in plate mode or one batch in batch mode)"
+                    )
+
+
 def _in_plate(site, plate_name: str) -> bool:
     return any(f.name == plate_name for f in site["cond_indep_stack"])
 
@@ -167,6 +198,15 @@ def _num_records(args) -> Optional[int]:
     if len(lengths) > 1:
         raise ValueError(f"data arrays have different numbers of records: {sorted(lengths)}")
     return lengths.pop() if lengths else None
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` takes a keyword argument ``name`` (by name or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def _default_delta(num_records: int) -> float:
@@ -218,6 +258,15 @@ class DPSVI(SVI):
         gradients. ``"reweight"``: ghost norms first, then one batched backward pass of the loss weighted by
         ``min(1, C / norm)`` (two passes; nothing per record is kept). ``"auto"`` (default) is ``"ghost"``
         when B x parameters exceeds ``2**22``, where memory traffic dominates, else ``"materialize"``.
+    :param mesh: a :class:`jax.sharding.Mesh` to split each batch's records over (data parallelism,
+        :mod:`d3pext.training.parallel`): each device of the axis ``data_axis`` computes the clipped
+        per-record gradients of about B / D records, and the clipped sum is added across devices by one
+        all-reduce of the parameters' size per step. The sampler, the noise (drawn once, from the same key)
+        and the accountant are those of one device, so a key gives the same fit up to float rounding.
+        The data may be sharded by rows over ``data_axis`` (``jax.device_put(x, NamedSharding(mesh,
+        P("data")))``); in plate mode only the batch's rows then move between devices. Other mesh axes
+        replicate the work. ``None`` (default): no explicit split (the batch is computed where XLA puts it).
+    :param data_axis: the name of the mesh axis the records are split over.
 
     **Example**
 
@@ -256,8 +305,16 @@ class DPSVI(SVI):
         data_plate: Optional[str] = None,
         num_obs_total: Optional[int] = None,
         clipping: str = "auto",
+        mesh: Optional[jax.sharding.Mesh] = None,
+        data_axis: str = "data",
         **static_kwargs,
     ):
+        if "rng_suite" in static_kwargs:
+            raise TypeError(
+                "rng_suite= is d3p's choice of random number generator; d3pext has none to choose: release noise "
+                "and batches always come from the key given to init/run, and run(None, ...) draws a ChaCha20 key "
+                "from OS entropy (d3pext.prng.secure_key). Drop the argument."
+            )
         loss = Trace_ELBO() if loss is None else loss
         if type(loss) is not Trace_ELBO:
             raise NotImplementedError(
@@ -286,12 +343,19 @@ class DPSVI(SVI):
             raise ValueError(f"delta must be in (0, 1), got {delta}")
         if num_steps is not None and (int(num_steps) != num_steps or num_steps < 1):
             raise ValueError(f"num_steps must be a positive integer, got {num_steps}")
-        if sampler not in ("fixed", "poisson"):
-            raise ValueError(f"sampler must be 'fixed' or 'poisson', got {sampler!r}")
+        if not (sampler in ("fixed", "poisson") or isinstance(sampler, (FixedSizeSampler, PoissonSampler))):
+            raise ValueError(
+                f"sampler must be 'fixed', 'poisson', a FixedSizeSampler or a PoissonSampler, got {sampler!r}"
+            )
         if num_obs_total is not None and (int(num_obs_total) != num_obs_total or num_obs_total < 1):
             raise ValueError(f"num_obs_total must be a positive integer, got {num_obs_total}")
         if clipping not in ("auto", "materialize", "ghost", "reweight"):
             raise ValueError(f"clipping must be 'auto', 'materialize', 'ghost' or 'reweight', got {clipping!r}")
+        if mesh is not None:
+            check_mesh(mesh, data_axis)
+        elif data_axis != "data":
+            raise ValueError(f"data_axis={data_axis!r} names an axis of a mesh, but no mesh= was given")
+        self.mesh, self.data_axis = mesh, data_axis
         self.clipping = clipping
         self.clipping_threshold = clipping_threshold
         self.dp_scale = dp_scale
@@ -301,9 +365,13 @@ class DPSVI(SVI):
         self.sampler_kind = sampler
         self.data_plate = data_plate
         self.num_obs_total = None if num_obs_total is None else int(num_obs_total)
+        if self.num_obs_total is not None and _accepts(model, "num_obs_total") and _accepts(guide, "num_obs_total"):
+            # d3p passed num_obs_total on to the model and guide; scripts written for it rely on that
+            self.static_kwargs.setdefault("num_obs_total", self.num_obs_total)
         self.structure: Optional[_Structure] = None
         self.sampler = None
         self._steps = {}
+        self._chunks = {}
 
     # ------------------------------------------------------------------ structure and privacy
 
@@ -362,10 +430,21 @@ class DPSVI(SVI):
             )
         if batch_size > num_records:
             raise ValueError(f"batch size {batch_size} is larger than the number of records {num_records}")
-        if not plate_mode and self.sampler_kind != "fixed":
+        if not plate_mode and self.sampler_kind == "poisson":
             raise ValueError(
-                "sampler='poisson' needs plate mode (pass the full data; DPSVI then draws the Poisson batches "
-                "itself, which the accountant must be able to rely on)"
+                "sampler='poisson' in batch mode: pass the sampler that draws the batches, e.g. "
+                "DPSVI(..., sampler=get_batch.sampler) for poisson_batchify_data, and update(state, *batch, mask=mask); "
+                "or use plate mode (pass the full data; DPSVI then draws the Poisson batches itself)"
+            )
+        extra = [scale / (size / subsample_size) for scale in scales]
+        if extra and abs(extra[0] - 1.0) > 1e-6:
+            warnings.warn(
+                f"the observed sites of the data plate {name!r} carry a scale of {extra[0]:.4g} on top of the plate's "
+                f"N / B (a numpyro.handlers.scale wrapper?): clipping_threshold then bounds the gradient of "
+                f"{extra[0]:.4g} x each record's log-likelihood, not of the log-likelihood itself. DPSVI rescales the "
+                "clipped sum by N / B already; remove the wrapper to clip the per-record gradient d3pext documents.",
+                UserWarning,
+                stacklevel=4,
             )
         for s in guide_trace.values():
             if s["type"] == "sample" and not s["is_observed"] and not s["fn"].has_rsample:
@@ -374,8 +453,21 @@ class DPSVI(SVI):
                 )
         return _Structure(name, int(num_records), int(batch_size), plate_mode)
 
-    def _make_sampler(self, structure: _Structure):
-        if structure.plate_mode and self.sampler_kind == "poisson":
+    def _make_sampler(self, structure: _Structure, args):
+        given = self.sampler_kind
+        if isinstance(given, (FixedSizeSampler, PoissonSampler)):
+            if given.num_records != structure.num_records:
+                raise ValueError(
+                    f"the sampler draws from {given.num_records} records, but the data plate "
+                    f"{structure.plate_name!r} has N = {structure.num_records}"
+                )
+            length = _num_records(args)
+            if not structure.plate_mode and length is not None and length != given.padded_size:
+                raise ValueError(
+                    f"batches of {length} records, but the sampler's batches have {given.padded_size} slots"
+                )
+            return given
+        if structure.plate_mode and given == "poisson":
             return PoissonSampler(structure.num_records, structure.batch_size / structure.num_records)
         return FixedSizeSampler(structure.num_records, structure.batch_size)
 
@@ -413,8 +505,27 @@ class DPSVI(SVI):
             return np.full(len(steps), np.inf)
         return np.atleast_1d(np.asarray(eps, dtype=float))
 
-    def get_epsilon(self, delta: float, num_steps) -> float:
-        """d3p-style shortcut for ``privacy_spent(num_steps, delta).epsilon``."""
+    def get_epsilon(self, delta: float, num_steps=None, num_epochs: Optional[float] = None, *, q=None) -> float:
+        """``privacy_spent(num_steps, delta).epsilon``; d3p's ``get_epsilon(delta, q, num_epochs=E)``
+        form counts ``int(E / q)`` steps, after checking that ``q`` is this run's sampling rate."""
+        if num_epochs is not None:
+            if q is None and num_steps is not None:  # d3p's positional form get_epsilon(delta, q, num_epochs)
+                q, num_steps = num_steps, None
+            if num_steps is not None:
+                raise ValueError("give num_steps or num_epochs, not both")
+            if self.sampler is None:
+                raise RuntimeError("call init (or run) first: the sampling rate comes from the model's data plate")
+            q = self.sampler.q if q is None else float(q)
+            if not math.isclose(q, self.sampler.q, rel_tol=1e-6):
+                raise ValueError(
+                    f"q={q} is not this run's sampling rate {self.sampler.q:.6g} (from the data plate and sampler): "
+                    "the accountant must use the rate the batches are actually drawn with"
+                )
+            if not (math.isfinite(num_epochs) and num_epochs > 0):
+                raise ValueError(f"num_epochs must be finite and > 0, got {num_epochs}")
+            num_steps = int(num_epochs / q)
+        if num_steps is None:
+            raise TypeError("get_epsilon needs num_steps (or num_epochs)")
         return self.privacy_spent(num_steps, delta).epsilon
 
     def _report(self, eps: float, delta: float, num_steps: int) -> PrivacyReport:
@@ -444,16 +555,18 @@ class DPSVI(SVI):
         return model_trace, guide_trace
 
     def _elbo_terms(self, params, rng_key, args, kwargs, record_key, indices):
-        """(record term, global term) of one particle's negative ELBO, from a run on a single record.
+        """(record term, global terms by site) of one particle's negative ELBO, from a run on a
+        single record.
 
-        The record term is unscaled: the data plate's N / 1 scale is divided out.
+        The record term is unscaled: the data plate's N / 1 scale is divided out. The global terms
+        are keyed ``"model site 'w'"`` / ``"guide site 'w'"``.
         """
         model_trace, guide_trace = self._run_traces(params, rng_key, args, kwargs, record_key, indices)
         name = self.structure.plate_name
         plate_site = model_trace[name]
         plate_scale = plate_site["args"][0] / plate_site["args"][1]
-        local, global_ = 0.0, 0.0
-        for sign, tr in ((-1.0, model_trace), (1.0, guide_trace)):
+        local, global_ = 0.0, {}
+        for sign, role, tr in ((-1.0, "model", model_trace), (1.0, "guide", guide_trace)):
             for site in tr.values():
                 if site["type"] != "sample":
                     continue
@@ -461,17 +574,22 @@ class DPSVI(SVI):
                 if _in_plate(site, name):
                     local = local + term / plate_scale
                 else:
-                    global_ = global_ + term
+                    global_[f"{role} site {site['name']!r}"] = term
         return local, global_
 
     def _particle_keys(self, rng_key):
         return random.split(rng_key, self.loss.num_particles)
 
-    def _record_loss(self, params, rng_key, args, kwargs, record):
+    def _record_loss(self, params, rng_key, args, kwargs, record, isolate: bool = True):
         """Unscaled negative ELBO term of one record, averaged over particles."""
         index, position = record
-        if self.structure.plate_mode:
+        if self.structure.plate_mode and not isolate:
             indices, rec_args = jnp.reshape(index, (1,)), args
+        elif self.structure.plate_mode:
+            # The model sees N copies of this record in place of the data: whatever it computes, the
+            # term can depend on no other record, so clipping bounds each record's influence.
+            indices = jnp.reshape(index, (1,))
+            rec_args = jax.tree.map(lambda a: jnp.broadcast_to(a[index], jnp.shape(a)), args)
         else:
             indices, rec_args = jnp.zeros((1,), jnp.int32), jax.tree.map(lambda a: a[None], args)
 
@@ -480,8 +598,9 @@ class DPSVI(SVI):
 
         return jnp.mean(jax.vmap(one)(self._particle_keys(rng_key)))
 
-    def _global_loss(self, params, rng_key, args, kwargs, record_index):
-        """Data-independent part of the negative ELBO (global prior and guide terms), averaged over particles."""
+    def _global_terms(self, params, rng_key, args, kwargs, record_index):
+        """Data-independent terms of the negative ELBO (global prior and guide terms) by site,
+        averaged over particles."""
         if self.structure.plate_mode:
             indices, rec_args = jnp.reshape(record_index, (1,)), args
         else:
@@ -490,30 +609,83 @@ class DPSVI(SVI):
         def one(key):
             return self._elbo_terms(params, key, rec_args, kwargs, random.fold_in(key, 0), indices)[1]
 
-        return jnp.mean(jax.vmap(one)(self._particle_keys(rng_key)))
+        return jax.tree.map(jnp.mean, jax.vmap(one)(self._particle_keys(rng_key)))
+
+    def _global_loss(self, params, rng_key, args, kwargs, record_index):
+        """Data-independent part of the negative ELBO, averaged over particles."""
+        return sum(self._global_terms(params, rng_key, args, kwargs, record_index).values(), jnp.zeros(()))
+
+    def _diagnose(self, rng_key, args, kwargs, error: Exception) -> None:
+        """Explain a model that failed to initialise by its plates and data, if they are the cause."""
+        full = {**kwargs, **self.static_kwargs}
+        try:
+            trace(seed(_PlateCheck(self.model), rng_key)).get_trace(*args, **full)
+        except ValueError as found:
+            if "plate" in str(found):
+                raise found from error
+        except Exception:
+            pass
 
     def _check_global_independence(self, params, rng_key, args, kwargs) -> None:
-        """Refuse models whose global (unclipped) part depends on the data: it would bypass the mechanism."""
-        if self.structure.plate_mode:
-            first = jax.tree.map(lambda a: jnp.broadcast_to(a[:1], a.shape), args)
-            last = jax.tree.map(lambda a: jnp.broadcast_to(a[-1:], a.shape), args)
-            pairs = ((first, 0), (last, self.structure.num_records - 1))
-        else:
-            n = jnp.shape(args[0])[0] if args else 1
-            pairs = ((args, 0), (args, n - 1))
+        """Refuse a model whose global (unclipped, noise-free) part can depend on the data.
+
+        Proven on the traced program (:mod:`d3pext.training.dependence`), not tested on examples:
+        the value and gradient of every global term, and the initial value of every ``param``
+        site, are followed back through the jaxpr to the data arguments.
+        """
         dyn, static = _split_kwargs(kwargs)
+        kw = {**dyn, **dict(static)}
 
-        @jax.jit
-        def global_value_and_grad(args, dyn, index):
-            return jax.value_and_grad(self._global_loss)(params, rng_key, args, {**dyn, **dict(static)}, index)
+        def global_part(data, params):
+            return jax.value_and_grad(self._global_loss)(params, rng_key, data, kw, 0)
 
-        values = [global_value_and_grad(a, dyn, i) for a, i in pairs]
-        same = jax.tree.map(lambda u, v: bool(jnp.allclose(u, v, rtol=1e-5, atol=1e-6)), values[0], values[1])
-        if not all(jax.tree.leaves(same)):
+        def global_sites(data, params):
+            return self._global_terms(params, rng_key, data, kw, 0)
+
+        def param_inits(data):
+            full = {**kw, **self.static_kwargs}
+            inits = {}
+            for role, fn in (("guide", self.guide), ("model", self.model)):
+                tr = trace(seed(_FirstIndices(fn), rng_key)).get_trace(*data, **full)
+                inits.update({f"{role} param {n!r}": s["value"] for n, s in tr.items() if s["type"] == "param"})
+            return inits
+
+        if not any(jax.tree.leaves(dependent_outputs(global_part, args, params))):
+            leaks = []
+        else:
+            marks = dependent_outputs(global_sites, args, params)
+            leaks = [name for name, m in marks.items() if m] or ["the global terms"]
+        marks = dependent_outputs(param_inits, args)
+        leaks += [name for name, m in marks.items() if any(jax.tree.leaves(m))]
+        if leaks:
             raise ValueError(
-                "sites outside the data plate depend on the data: DPSVI would use them without clipping or noise. "
-                f"Move every use of the records inside numpyro.plate({self.structure.plate_name!r}, ...)."
+                f"{', '.join(leaks)} outside the data plate {self.structure.plate_name!r} can depend on the data "
+                "(found in the traced program): DPSVI would use it without clipping or noise. Move every use of "
+                "the records inside the data plate, or compute such statistics with a private release and pass "
+                "them as keyword arguments."
             )
+
+    def _check_record_isolation(self, params, rng_key, args, kwargs) -> None:
+        """In plate mode each record's term is computed from copies of that record alone; refuse a
+        model whose record term changes under that (it reads other records, e.g. ``jnp.mean(x)``
+        inside the plate), instead of silently fitting a different model."""
+        if not self.structure.plate_mode:
+            return
+        dyn, static = _split_kwargs(kwargs)
+        kw = {**dyn, **dict(static)}
+        key = threefry_key(rng_key)
+        for index in {0, self.structure.num_records - 1}:
+            record = (jnp.asarray(index), jnp.asarray(0))
+            own = self._record_loss(params, key, args, kw, record)
+            given = self._record_loss(params, key, args, kw, record, isolate=False)
+            if not bool(jnp.allclose(own, given, rtol=1e-4, atol=1e-5, equal_nan=True)):
+                raise ValueError(
+                    f"the loss of record {index} changes when the other records change: the model reads more than "
+                    f"one record inside the data plate {self.structure.plate_name!r} (a statistic of the whole data, "
+                    "such as jnp.mean(x)?). DPSVI bounds each record's influence by clipping its own term, so a "
+                    "record's term may depend only on that record; compute such statistics with a private release "
+                    "and pass them as keyword arguments."
+                )
 
     # ------------------------------------------------------------------ SVI interface
 
@@ -522,21 +694,40 @@ class DPSVI(SVI):
         _num_records(args)
         if rng_key is None:
             rng_key = secure_key()
-        state = super().init(rng_key, *args, init_params=init_params, **kwargs)
+        elif not is_prng_key(rng_key):
+            raise TypeError(
+                f"rng_key must be a JAX PRNG key such as jax.random.key(0) (or None for a secure key from OS "
+                f"entropy), got {type(rng_key).__name__} {rng_key!r}"
+            )
+        try:
+            state = super().init(rng_key, *args, init_params=init_params, **kwargs)
+        except Exception as error:
+            self._diagnose(rng_key, args, kwargs, error)
+            raise
         init_key = random.fold_in(state.rng_key, 1)
         params = self.constrain_fn(self.optim.get_params(state.optim_state))
         kw = {**kwargs, **self.static_kwargs}
         guide_trace = trace(seed(_FirstIndices(substitute(self.guide, params)), init_key)).get_trace(*args, **kw)
         model = _FirstIndices(substitute(replay(self.model, guide_trace), params))
         model_trace = trace(seed(model, init_key)).get_trace(*args, **kw)
-        self.structure = self._find_structure(model_trace, guide_trace, args)
-        self.sampler = self._make_sampler(self.structure)
+        structure = self._find_structure(model_trace, guide_trace, args)
+        sampler = self._make_sampler(structure, args)
+        if (structure, sampler) != (self.structure, self.sampler):
+            self._steps.clear()  # compiled steps hold the structure, the sampler and sigma
+            self._chunks.clear()
+            self.structure, self.sampler = structure, sampler
+            if self.target_epsilon is not None:
+                self.dp_scale = None
         self._calibrate()
-        self._check_global_independence(self.optim.get_params(state.optim_state), init_key, args, kwargs)
-        return DPSVIState(state.optim_state, state.mutable_state, state.rng_key, jnp.zeros((), jnp.int32))
+        unconstrained = self.optim.get_params(state.optim_state)
+        self._check_global_independence(unconstrained, init_key, args, kwargs)
+        self._check_record_isolation(unconstrained, init_key, args, kwargs)
+        zero = jnp.zeros((), jnp.int32)
+        return DPSVIState(state.optim_state, state.mutable_state, state.rng_key, zero, zero)
 
-    def _private_grad(self, params, rng_key, args, kwargs, stable: bool):
-        """Noisy, clipped and rescaled gradient of the negative ELBO, and the (non-private) loss estimate."""
+    def _private_grad(self, params, rng_key, args, kwargs, stable: bool, batch_mask=None):
+        """Noisy, clipped and rescaled gradient of the negative ELBO, the (non-private) loss estimate
+        and the number of sampled records dropped for a non-finite loss or gradient."""
         structure = self.structure
         batch_key, elbo_key, noise_key = random.split(rng_key, 3)
         # The batch and the noise carry the privacy guarantee and use the caller's (e.g. ChaCha20) key. The
@@ -547,7 +738,8 @@ class DPSVI(SVI):
             records = (indices, jnp.arange(indices.shape[0]))
         else:
             n = jnp.shape(args[0])[0]
-            indices, mask = jnp.arange(n), jnp.ones(n, bool)
+            indices = jnp.arange(n)
+            mask = jnp.ones(n, bool) if batch_mask is None else jnp.asarray(batch_mask, bool)
             records = (indices, indices)
         if structure.plate_mode:
             per_record = lambda fn, p, recs, a: jax.vmap(fn, in_axes=(None, None, None, None, 0))(p, elbo_key, a, kwargs, recs)
@@ -555,27 +747,37 @@ class DPSVI(SVI):
             per_record = lambda fn, p, recs, a: jax.vmap(lambda rec, ra: fn(p, elbo_key, ra, kwargs, rec))(recs, a)
         c = self.clipping_threshold
         clipped_sum = CLIPPED_SUMS[self._clipping_mode(params)]
-        clipped, losses, mask = clipped_sum(
-            self._record_loss, per_record, params, args, records, mask, c, stable, structure.plate_mode
-        )
+        # A record whose loss or gradient is not finite is left out of the sum: like clipping, a
+        # decision on that record alone, so the sum still changes by at most C per record.
+        if self.mesh is None:
+            clipped, losses, kept = clipped_sum(
+                self._record_loss, per_record, params, args, records, mask, c, True, structure.plate_mode
+            )
+        else:  # the records split over the mesh's data axis, one all-reduce of the clipped sum
+            clipped, losses, kept = data_parallel_clipped_sum(
+                clipped_sum, self._record_loss, params, elbo_key, args, kwargs, records, mask, c, True,
+                structure.plate_mode, mesh=self.mesh, axis=self.data_axis,
+            )
+        dropped = jnp.sum(mask & ~kept, dtype=jnp.int32)
+        mask = kept
         leaves, treedef = jax.tree.flatten(clipped)
         noise_keys = random.split(noise_key, len(leaves))
-        scale = structure.num_records / structure.batch_size
+        scale = 1.0 / self.sampler.q  # N / B for fixed-size batches, 1 / q for Poisson ones
         noisy = [(g + self.dp_scale * c * random.normal(k, g.shape, g.dtype)) * scale for g, k in zip(leaves, noise_keys)]
         global_loss, global_grads = jax.value_and_grad(self._global_loss)(params, elbo_key, args, kwargs, indices[0] if structure.plate_mode else 0)
         grads = jax.tree.map(jnp.add, jax.tree.unflatten(treedef, noisy), global_grads)
         loss = scale * jnp.sum(jnp.where(mask, losses, 0.0)) + global_loss
-        return loss, grads
+        return loss, grads, dropped
 
     def _clipping_mode(self, params) -> str:
         """How the clipped sum is computed (decided at trace time from static shapes)."""
         return choose_clipping(self.clipping, self.structure.batch_size, params)
 
-    def _step(self, state: DPSVIState, args, dyn_kwargs, static_kwargs, stable: bool):
+    def _step(self, state: DPSVIState, args, dyn_kwargs, batch_mask, static_kwargs, stable: bool):
         kwargs = {**dyn_kwargs, **dict(static_kwargs)}
         rng_key, step_key = random.split(state.rng_key)
         params = self.optim.get_params(state.optim_state)
-        loss, grads = self._private_grad(params, step_key, args, kwargs, stable)
+        loss, grads, dropped = self._private_grad(params, step_key, args, kwargs, stable, batch_mask)
         # optax transformations may ask for the loss value (``update_with_value``); the loss is not private,
         # so they get NaN: value-driven schedules (line searches, reduce-on-plateau) cannot be used with DPSVI.
         value = jnp.nan if self.optim.update_with_value else None
@@ -583,7 +785,16 @@ class DPSVI(SVI):
         if stable:
             ok = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
             new_optim_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_optim_state, state.optim_state)
-        return DPSVIState(new_optim_state, state.mutable_state, rng_key, state.num_steps + 1), loss
+        num_steps = state.num_steps + 1
+        if self.planned_steps is not None:
+            # Under a caller's own jit the host-side refusal cannot run: a step past the plan then
+            # changes nothing and is not counted (its noisy gradient is discarded unused).
+            within = state.num_steps < self.planned_steps
+            new_optim_state = jax.tree.map(lambda new, old: jnp.where(within, new, old), new_optim_state, state.optim_state)
+            num_steps = jnp.where(within, num_steps, state.num_steps)
+            dropped = jnp.where(within, dropped, 0)
+        new_state = DPSVIState(new_optim_state, state.mutable_state, rng_key, num_steps, state.num_dropped + dropped)
+        return new_state, loss
 
     def _jitted_step(self, static_kwargs: tuple, stable: bool):
         key = (static_kwargs, stable)
@@ -595,11 +806,57 @@ class DPSVI(SVI):
         if self.structure is None:
             raise RuntimeError("call DPSVI.init before update")
 
-    def update(self, svi_state: DPSVIState, *args, **kwargs):
-        """One private step; returns ``(state, loss)``. The loss is not a private output."""
+    def _check_plan(self, state: DPSVIState, num_steps: int) -> None:
+        """Refuse steps beyond the planned ``num_steps`` for which sigma was calibrated."""
+        if self.planned_steps is None or isinstance(state.num_steps, jax.core.Tracer):
+            return
+        done = int(state.num_steps)
+        if done + num_steps > self.planned_steps:
+            raise ValueError(
+                f"{num_steps} more step(s) after {done} exceed the planned num_steps={self.planned_steps} for which "
+                f"sigma={self.dp_scale:.4g} was calibrated: the privacy target would be exceeded. To go on knowingly, "
+                "call extend_plan(new_num_steps), which reports the epsilon of the longer run."
+            )
+
+    def _batch_mask(self, kwargs: dict):
+        """Pop d3p's ``mask=`` (Poisson-padded batches in batch mode) and check it fits the sampler."""
+        mask = kwargs.pop("mask", None)
+        poisson_batches = not self.structure.plate_mode and isinstance(self.sampler, PoissonSampler)
+        if mask is not None and not poisson_batches:
+            raise ValueError(
+                "mask= marks the records of Poisson-padded batches; they must be accounted as Poisson sampling: "
+                "create DPSVI(..., sampler=get_batch.sampler) with the PoissonSampler of poisson_batchify_data"
+                if not self.structure.plate_mode
+                else "mask= is for batch mode; in plate mode DPSVI draws the batches (and their mask) itself"
+            )
+        if poisson_batches:
+            if mask is None:
+                raise ValueError("batches from a PoissonSampler carry a mask: update(state, *batch, mask=mask)")
+            if jnp.shape(mask) != (self.sampler.padded_size,):
+                raise ValueError(f"mask of shape {jnp.shape(mask)} for batches of {self.sampler.padded_size} slots")
+        return mask
+
+    def extend_plan(self, num_steps: int) -> PrivacyReport:
+        """Allow ``num_steps`` steps in all, beyond the plan sigma was calibrated for, and return
+        the privacy report of the longer run (its epsilon exceeds the original target)."""
         self._check_ready()
+        if int(num_steps) != num_steps or self.planned_steps is not None and num_steps < self.planned_steps:
+            raise ValueError(f"the new plan must be an integer >= the current one ({self.planned_steps}), got {num_steps}")
+        self.planned_steps = int(num_steps)
+        self._steps.clear()
+        self._chunks.clear()
+        return self.privacy_spent(self.planned_steps)
+
+    def update(self, svi_state: DPSVIState, *args, **kwargs):
+        """One private step; returns ``(state, loss)``. The loss is not a private output.
+
+        Batch mode with Poisson-padded batches takes d3p's ``mask=`` keyword (see ``sampler``).
+        """
+        self._check_ready()
+        self._check_plan(svi_state, 1)
+        mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
-        return self._jitted_step(static, False)(svi_state, args, dyn)
+        return self._jitted_step(static, False)(svi_state, args, dyn, mask)
 
     def stable_update(self, svi_state: DPSVIState, *args, **kwargs):
         """Like :meth:`update`, but robust to numerical failures without breaking privacy.
@@ -609,8 +866,10 @@ class DPSVI(SVI):
         the step counts towards the privacy spent.
         """
         self._check_ready()
+        self._check_plan(svi_state, 1)
+        mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
-        return self._jitted_step(static, True)(svi_state, args, dyn)
+        return self._jitted_step(static, True)(svi_state, args, dyn, mask)
 
     def run(
         self,
@@ -639,17 +898,10 @@ class DPSVI(SVI):
             self._check_ready()
             state = init_state
         done = int(state.num_steps)
-        if self.planned_steps is not None and done + num_steps > self.planned_steps:
-            raise ValueError(
-                f"running {num_steps} more steps after {done} exceeds the planned num_steps={self.planned_steps} "
-                "for which sigma was calibrated: the privacy target would be exceeded"
-            )
+        self._check_plan(state, num_steps)
+        mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
-        step = partial(self._step, static_kwargs=static, stable=stable_update)
-
-        @partial(jax.jit, static_argnums=3)
-        def chunk(state, args, dyn, length):
-            return lax.scan(lambda s, _: step(s, args, dyn), state, None, length=length)
+        chunk = self._jitted_chunk(static, stable_update)
 
         num_chunks = min(num_steps, 50) if progress_bar else 1
         bounds = np.linspace(0, num_steps, num_chunks + 1).round().astype(int)
@@ -664,7 +916,7 @@ class DPSVI(SVI):
         try:
             for i in range(num_chunks):
                 length = int(bounds[i + 1] - bounds[i])
-                state, chunk_losses = chunk(state, args, dyn, length)
+                state, chunk_losses = chunk(state, args, dyn, mask, length)
                 losses.append(chunk_losses)
                 if bar is not None:
                     bar.set_postfix(loss=f"{float(jnp.mean(chunk_losses)):.4g}", epsilon=f"{eps_curve[i]:.3g}")
@@ -674,4 +926,24 @@ class DPSVI(SVI):
                 bar.close()
         losses = jnp.concatenate(losses)
         report = self._report(float(eps_curve[-1]), delta, done + num_steps)
+        dropped = int(state.num_dropped)
+        if dropped:
+            warnings.warn(
+                f"{dropped} sampled record(s) had a non-finite loss or gradient and were left out of their steps "
+                "(privacy holds: each was a per-record decision, like clipping; the count itself is not private)",
+                UserWarning,
+                stacklevel=2,
+            )
         return DPSVIRunResult(self.get_params(state), state, losses, report)
+
+    def _jitted_chunk(self, static_kwargs: tuple, stable: bool):
+        """``length`` steps in one ``lax.scan``, compiled once per model structure and kept across runs."""
+        key = (static_kwargs, stable)
+        if key not in self._chunks:
+            step = partial(self._step, static_kwargs=static_kwargs, stable=stable)
+
+            def chunk(state, args, dyn, mask, length):
+                return lax.scan(lambda s, _: step(s, args, dyn, mask), state, None, length=length)
+
+            self._chunks[key] = jax.jit(chunk, static_argnums=4)
+        return self._chunks[key]

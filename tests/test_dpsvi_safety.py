@@ -1,0 +1,276 @@
+"""DPSVI under attack and misuse: data that would bypass clipping and noise, non-finite records,
+steps past the plan, Poisson-padded batches, d3p's call forms, and the errors bad inputs get."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import numpyro
+import numpyro.distributions as dist
+from numpyro.infer import Trace_ELBO
+from numpyro.infer.autoguide import AutoDiagonalNormal
+
+from d3pext import DPSVI
+from d3pext.training.dependence import dependent_outputs, jaxpr_dependence
+from d3pext.training.minibatch import poisson_batchify_data
+
+N, B = 200, 20
+X = jax.random.normal(jax.random.key(0), (N,)) + 1.0
+
+
+def normal_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=B):
+        numpyro.sample("x", dist.Normal(mu, 1.0), obs=numpyro.subsample(x, event_dim=0))
+
+
+def dpsvi(model, **kw):
+    kw = {"clipping_threshold": 2.0, "dp_scale": 1.0, **kw}
+    return DPSVI(model, AutoDiagonalNormal(model), optax.adam(0.05), Trace_ELBO(), **kw)
+
+
+# ------------------------------------------------------------------ data that would bypass the mechanism
+
+
+def with_prior_loc(statistic):
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(statistic(x), 3.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=B):
+            numpyro.sample("x", dist.Normal(mu, 1.0), obs=numpyro.subsample(x, event_dim=0))
+
+    return model
+
+
+@pytest.mark.parametrize("statistic", [jnp.std, lambda x: jnp.max(x) - jnp.min(x), lambda x: 0.0 * x[0] + 1.0])
+def test_data_reaching_a_global_site_is_refused_naming_it(statistic):
+    """jnp.std(x) and max - min look constant to a comparison of records; even 0 * x[0] is refused:
+    the analysis follows dataflow, and a dataflow path exists."""
+    with pytest.raises(ValueError, match="model site 'mu' outside the data plate 'data' can depend on the data"):
+        dpsvi(with_prior_loc(statistic)).init(jax.random.key(0), X)
+
+
+def test_data_in_a_param_initial_value_is_refused():
+    def model(x):
+        shift = numpyro.param("shift", jnp.mean(x))
+        mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=B):
+            numpyro.sample("x", dist.Normal(mu + shift, 1.0), obs=numpyro.subsample(x, event_dim=0))
+
+    with pytest.raises(ValueError, match="model param 'shift'"):
+        dpsvi(model).init(jax.random.key(0), X)
+
+
+def test_a_record_term_reading_other_records_is_refused():
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=B):
+            numpyro.sample("x", dist.Normal(mu, 1.0), obs=numpyro.subsample(x - jnp.mean(x), event_dim=0))
+
+    with pytest.raises(ValueError, match="reads more than one record"):
+        dpsvi(model).init(jax.random.key(0), X)
+
+
+def test_the_record_term_sees_only_its_own_record():
+    """By construction: the model is run on N copies of the record, so a term that reads other
+    records (here the data's max) reads the record itself."""
+    svi = dpsvi(normal_model)
+    state = svi.init(jax.random.key(0), X)
+    params = svi.optim.get_params(state.optim_state)
+    key, record = jax.random.key(1), (jnp.asarray(3), jnp.asarray(0))
+    other = X.at[5].set(1e6)  # another record changed
+    own = svi._record_loss(params, key, (X,), {}, record)
+    assert float(svi._record_loss(params, key, (other,), {}, record)) == float(own)
+    changed = X.at[3].add(1.0)  # the record itself changed
+    assert float(svi._record_loss(params, key, (changed,), {}, record)) != float(own)
+
+
+def test_dependence_analysis_follows_calls_and_is_conservative_in_loops():
+    def f(x, w):
+        inside = jax.jit(lambda a, b: (b * 2.0, jnp.sum(a)))(x, w)
+        looped = jax.lax.fori_loop(0, 3, lambda i, c: c + w + 0.0 * jnp.sum(x), 0.0)
+        return {"clean": inside[0] + jax.nn.softplus(w), "dirty": inside[1], "loop": looped}
+
+    assert dependent_outputs(f, jnp.ones(3), 0.5) == {"clean": False, "dirty": True, "loop": True}
+    closed = jax.make_jaxpr(lambda a, b: (a + 1.0, b))(1.0, 2.0)
+    assert jaxpr_dependence(closed, [False, True]) == [False, True]
+
+
+# ------------------------------------------------------------------ non-finite records
+
+
+@pytest.mark.parametrize("clipping", ["materialize", "ghost", "reweight", "auto"])
+def test_a_non_finite_record_is_dropped_not_spread(clipping):
+    x_bad = X.at[7].set(jnp.inf)
+    svi = dpsvi(normal_model, clipping=clipping)
+    with pytest.warns(UserWarning, match="non-finite loss or gradient and were left out"):
+        result = svi.run(jax.random.key(0), 40, x_bad, progress_bar=False)
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(result.params))
+    # record 7 is in a batch of 20 out of 200 with probability 0.1 per step
+    assert 0 < int(result.state.num_dropped) <= 40
+    assert result.privacy.num_steps == 40
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def test_steps_past_the_plan_are_refused_and_a_larger_plan_reaccounts():
+    svi = dpsvi(normal_model, dp_scale=None, epsilon=1.0, delta=1e-5, num_steps=5)
+    state = svi.init(jax.random.key(0), X)
+    for _ in range(5):
+        state, _ = svi.update(state, X)
+    with pytest.raises(ValueError, match="exceed the planned num_steps=5"):
+        svi.update(state, X)
+    with pytest.raises(ValueError, match="exceed the planned num_steps=5"):
+        svi.stable_update(state, X)
+    with pytest.raises(ValueError, match="exceed the planned num_steps=5"):
+        svi.run(None, 1, X, init_state=state, progress_bar=False)
+    assert svi.privacy_spent(state).epsilon <= 1.0
+    report = svi.extend_plan(8)
+    assert report.num_steps == 8 and report.epsilon > 1.0
+    state, _ = svi.update(state, X)
+    assert int(state.num_steps) == 6 and svi.privacy_spent(state).epsilon > svi.privacy_spent(5).epsilon
+
+
+def test_steps_past_the_plan_under_the_callers_jit_change_nothing():
+    svi = dpsvi(normal_model, dp_scale=None, epsilon=1.0, delta=1e-5, num_steps=3)
+    state = svi.init(jax.random.key(0), X)
+    loop = jax.jit(lambda s: jax.lax.fori_loop(0, 6, lambda i, s: svi.update(s, X)[0], s))
+    state = loop(state)
+    assert int(state.num_steps) == 3
+    after_plan = state.optim_state
+    state2 = loop(state)
+    assert int(state2.num_steps) == 3
+    for a, b in zip(jax.tree.leaves(after_plan), jax.tree.leaves(state2.optim_state)):
+        np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------ d3p's batch mode
+
+
+def batch_model(xb, num_obs_total=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+    with numpyro.plate("batch", num_obs_total, subsample_size=xb.shape[0]):
+        numpyro.sample("x", dist.Normal(mu, 1.0), obs=xb)
+
+
+def test_poisson_padded_batches_with_mask_are_honoured_and_accounted_as_poisson():
+    init, get_batch = poisson_batchify_data((X,), q=0.1)
+    _, batchifier = init(jax.random.key(3))
+    (xb,), mask = get_batch(0, batchifier)
+    assert not bool(mask.all())
+    svi = dpsvi(batch_model, num_obs_total=N, sampler=get_batch.sampler)
+    state = svi.init(jax.random.key(0), xb)
+    report = svi.privacy_spent(10)
+    assert report.relation == "add_remove" and report.sampling_rate == pytest.approx(0.1)
+    # what sits in the padding slots cannot matter: not even a NaN
+    garbage = jnp.where(mask, xb, jnp.nan)
+    s1, loss1 = svi.update(state, xb, mask=mask)
+    s2, loss2 = svi.update(state, garbage, mask=mask)
+    assert int(s2.num_dropped) == 0
+    for a, b in zip(jax.tree.leaves(s1.optim_state), jax.tree.leaves(s2.optim_state)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="carry a mask"):
+        svi.update(state, xb)
+
+
+def test_a_mask_without_a_poisson_sampler_is_refused():
+    init, get_batch = poisson_batchify_data((X,), q=0.1)
+    (xb,), mask = get_batch(0, init(jax.random.key(3))[1])
+    svi = dpsvi(batch_model, num_obs_total=N)
+    state = svi.init(jax.random.key(0), xb)
+    with pytest.raises(ValueError, match="sampler=get_batch.sampler"):
+        svi.update(state, xb, mask=mask)
+
+
+def test_num_obs_total_reaches_the_model_and_get_epsilon_takes_d3p_form():
+    seen = []
+
+    def model(xb, num_obs_total=None):
+        seen.append(num_obs_total)
+        batch_model(xb, num_obs_total)
+
+    svi = dpsvi(model, num_obs_total=N)
+    state = svi.init(jax.random.key(0), X[:B])
+    assert set(seen) == {N}
+    full_scale = svi.evaluate(state, X[:B])
+    assert np.isfinite(float(full_scale))
+    # d3p: get_epsilon(delta, q, num_epochs=E) counts E / q steps
+    assert svi.get_epsilon(1e-5, B / N, num_epochs=2) == svi.get_epsilon(1e-5, 2 * N // B)
+    with pytest.raises(ValueError, match="not this run's sampling rate"):
+        svi.get_epsilon(1e-5, 0.5, num_epochs=2)
+
+
+def test_a_scale_handler_on_the_likelihood_warns():
+    scaled = numpyro.handlers.scale(normal_model, 1.0 / N)
+    with pytest.warns(UserWarning, match="clipping_threshold then bounds the gradient of 0.005"):
+        dpsvi(scaled).init(jax.random.key(0), X)
+
+
+# ------------------------------------------------------------------ bad inputs get d3pext errors
+
+
+def sized_model(size, subsample_size):
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+        with numpyro.plate("data", size, subsample_size=subsample_size):
+            numpyro.sample("x", dist.Normal(mu, 1.0), obs=numpyro.subsample(x, event_dim=0))
+
+    return model
+
+
+@pytest.mark.parametrize(
+    "model, data, message",
+    [
+        (sized_model(N, 0), X, "subsample_size=0 must be between 1 and the plate's size 200"),
+        (sized_model(N, N + 10), X, "does not match the data plate"),
+        (sized_model(5, None), X[:7], r"plate\(data, 5, dim=-1\) invalid shape"),
+    ],
+    ids=["subsample-0", "subsample-above-N", "plate-5-data-7"],
+)
+def test_plate_sizes_are_checked_against_the_data(model, data, message):
+    with pytest.raises(ValueError, match=message):
+        dpsvi(model).init(jax.random.key(0), data)
+
+
+def test_an_integer_key_and_a_vanishing_noise_multiplier_get_clear_messages():
+    with pytest.raises(TypeError, match="rng_key must be a JAX PRNG key"):
+        dpsvi(normal_model).init(0, X)
+    svi = dpsvi(normal_model, dp_scale=1e-300)
+    svi.init(jax.random.key(0), X)
+    with pytest.warns(UserWarning, match="epsilon=inf: sigma=1e-300 is too small to account"):
+        assert svi.privacy_spent(1).epsilon == float("inf")
+
+
+# ------------------------------------------------------------------ compile once
+
+
+def test_a_second_run_with_the_same_shapes_does_not_compile_again():
+    svi = dpsvi(normal_model)
+    svi.run(jax.random.key(0), 20, X, progress_bar=False)
+    (chunk,) = svi._chunks.values()
+    compiled = chunk._cache_size()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about either
+        svi.run(jax.random.key(1), 20, X, progress_bar=False)
+    assert svi._chunks == {next(iter(svi._chunks)): chunk} and chunk._cache_size() == compiled
+
+
+def test_d3p_helpers_work_or_say_what_to_write_instead():
+    from d3pext.training.clipping import clip_gradient, normalize_gradient
+    from d3pext.training.minibatch import split_batchify_data
+
+    tree = {"a": jnp.array([3.0]), "b": jnp.array([[4.0]])}
+    clipped = clip_gradient(tree, 1.0)
+    assert float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(clipped)))) == pytest.approx(1.0)
+    for a, b in zip(jax.tree.leaves(clip_gradient(tree, 10.0)), jax.tree.leaves(tree)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(normalize_gradient(tree)["a"], [0.6])
+    assert float(normalize_gradient({"z": jnp.zeros(2)})["z"].sum()) == 0.0
+    with pytest.raises(NotImplementedError, match="use subsample_batchify_data|Use subsample_batchify_data"):
+        split_batchify_data((X,), 10)
+    with pytest.raises(TypeError, match="rng_suite= is d3p's"):
+        dpsvi(normal_model, rng_suite="d3p.random")
