@@ -1,18 +1,21 @@
-"""Kazan & Reiter bounded-Gaussian Gibbs sampler: vectorised d3pext vs a single-chain NumPy chain.
+"""Kazan & Reiter bounded-Gaussian Gibbs sampler: d3pext vs a single-chain NumPy chain, per CPU-second.
 
 One run, side by side, on the paper's Example 1 (constrained analysis, flat prior, the release
-of ``set.seed(6)``): chain-iterations per second of
+of ``set.seed(6)``), all rates in chain-iterations per CPU-second (``time.process_time``, all
+threads of this process; the machine may be shared, so wall time is not used):
 
 - a plain NumPy/SciPy single chain (the R code of seed 001 Appendix L, line by line, truncated
-  gammas by ``scipy.special.gammaincinv``/``gammainccinv``), and
-- d3pext's ``KazanReiterGibbs`` under ``sample_releases`` (many releases x chains, one compiled
-  ``vmap``), float64,
-
-and the time the paper's Figure 2 study (168 settings x 10,000 data sets x 20,000 iterations,
-10-20 hours per setting on a cluster core) would take at the measured rate.
+  gammas by ``scipy.special.gammaincinv``/``gammainccinv``): the reference;
+- d3pext's ``private_posterior`` (``KazanReiterGibbs``, ``chain_method="vectorized"``, float64)
+  at 1, 10, 100 and 1000 chains: the second ``mcmc.run`` of the same ``MCMC`` object, as a
+  ratio to the reference, with the first run's CPU time over the second's (compilation) and the
+  number of XLA compilations the second run triggered;
+- ``sample_releases`` (many releases x chains in one compiled ``vmap``), and the time the
+  paper's Figure 2 study (168 settings x 10,000 data sets x 20,000 iterations, 10-20 hours per
+  setting on a cluster core) would take at that rate.
 
     python benchmarks/bench_bounded.py            # full size
-    python benchmarks/bench_bounded.py --small    # seconds
+    python benchmarks/bench_bounded.py --small    # less than a minute of CPU
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import d3pext.inference.bounded  # noqa: E402,F401
 from d3pext.inference.bounded import FlatPrior  # noqa: E402
-from d3pext.handlers import sample_releases  # noqa: E402
+from d3pext.handlers import private_posterior, sample_releases  # noqa: E402
+from d3pext.handlers.posterior import RELEASES_KWARG  # noqa: E402
 from d3pext.models.bounded_gaussian import BLOOD_LEAD, private_bounded_gaussian  # noqa: E402
 
 FIGURE2_CHAIN_ITERATIONS = 168 * 10_000 * 20_000
@@ -93,6 +97,13 @@ def numpy_chain(num_iter, n, ym, yv, eps1, eps2, seed=0):
     return out
 
 
+def _cpu_time(fn):
+    """CPU seconds of ``fn()`` (all threads of this process) and its result."""
+    t = time.process_time()
+    out = jax.block_until_ready(fn())
+    return time.process_time() - t, out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true")
@@ -100,36 +111,74 @@ def main() -> None:
     e = BLOOD_LEAD
     n, eps = e["n"], e["epsilon1"]
     ym, yv = 0.343027, 0.222480
-    numpy_iter = 300 if args.small else 3000
+    numpy_iter = 1000 if args.small else 5000
+    budget = 40_000 if args.small else 400_000  # chain-iterations per MCMC run
     sets, chains, iters = (4, 64, 200) if args.small else (10, 100, 1000)
 
-    numpy_chain(20, n, ym, yv, eps, eps)  # warm the imports
-    t = time.perf_counter()
-    draws = numpy_chain(numpy_iter, n, ym, yv, eps, eps)
-    numpy_rate = numpy_iter / (time.perf_counter() - t)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: compiles.append(name) if name.endswith("backend_compile_duration") else None
+    )
 
+    numpy_chain(20, n, ym, yv, eps, eps)  # warm the imports
+    cpu, draws = _cpu_time(lambda: numpy_chain(numpy_iter, n, ym, yv, eps, eps))
+    numpy_rate = numpy_iter / cpu
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"JAX {jax.__version__} on {jax.default_backend()}, float64; rates in chain-iterations "
+          "per CPU-second")
+    print(f"NumPy single chain (reference): {numpy_rate:10.0f}   "
+          f"(posterior mean of mu {100 * draws[numpy_iter // 5:, 0].mean():.1f})")
     model = private_bounded_gaussian(eps, eps, e["bounds"], FlatPrior(), constrained=True)
+    print(f"{'chains':>7} {'iterations':>10} {'d3pext rate':>12} {'/ NumPy':>8} "
+          f"{'1st/2nd run CPU':>16} {'2nd-run compiles':>17} {'mean of mu':>10}")
+    for num_chains in (1, 10, 100, 1000):
+        num_iter = max(200, budget // num_chains)
+        mcmc = private_posterior(
+            model, e["release"], num_warmup=num_iter // 5, num_samples=num_iter - num_iter // 5,
+            num_chains=num_chains, chain_method="vectorized", progress_bar=False,
+        )
+        first, _ = _cpu_time(lambda: (mcmc.run(jax.random.key(0), n), mcmc.get_samples())[1])
+        compiles.clear()
+        second, out = _cpu_time(lambda: (mcmc.run(jax.random.key(1), n), mcmc.get_samples())[1])
+        rate = num_chains * num_iter / second
+        print(f"{num_chains:7d} {num_iter:10d} {rate:12.0f} {rate / numpy_rate:8.2f} "
+              f"{first / second:16.1f} {len(compiles):17d} {float(out['mu'].mean()):10.1f}")
+
+    # the kernel alone, compiled once: jit(scan(vmap(sweep))), reused for a second call
+    print("kernel alone (KazanReiterGibbs.sample under vmap and lax.scan, compiled once):")
+    inner = mcmc.sampler.inner
+    state0 = inner.init(jax.random.key(0), 0, None, (n,), {RELEASES_KWARG: dict(e["release"])})
+    for num_chains in (1, 10, 100, 1000):
+        num_iter = max(200, budget // num_chains)
+        states = jax.vmap(lambda k: state0._replace(rng_key=k))(jax.random.split(jax.random.key(1), num_chains))
+
+        @jax.jit
+        def sweeps(s):
+            def body(s, _):
+                s = jax.vmap(lambda st: inner.sample(st, (n,), {}))(s)
+                return s, s.z["mu"]
+
+            return jax.lax.scan(body, s, None, length=num_iter)[1]
+
+        first, _ = _cpu_time(lambda: sweeps(states))
+        second, mu = _cpu_time(lambda: sweeps(states))
+        rate = num_chains * num_iter / second
+        print(f"{num_chains:7d} {num_iter:10d} {rate:12.0f} {rate / numpy_rate:8.2f} "
+              f"{first / second:16.1f} {'-':>17} {100 * float(mu.mean()):10.1f}")
+
     releases = {k: jnp.full((sets,), v) for k, v in e["release"].items()}
     run = lambda key: sample_releases(  # noqa: E731
         model, releases, key, n, num_warmup=iters // 5, num_samples=iters - iters // 5, num_chains=chains
     )
-    t = time.perf_counter()
-    jax.block_until_ready(run(jax.random.key(0)))
-    compile_s = time.perf_counter() - t
-    t = time.perf_counter()
-    out = jax.block_until_ready(run(jax.random.key(1)))
-    d3p_rate = sets * chains * iters / (time.perf_counter() - t)
-
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"JAX {jax.__version__} on {jax.default_backend()}, float64")
-    print(f"NumPy single chain       : {numpy_rate:12.0f} chain-iterations/s "
-          f"(posterior mean of mu {100 * draws[numpy_iter // 5:, 0].mean():.1f})")
-    print(f"d3pext {sets} x {chains} chains vmapped: {d3p_rate:12.0f} chain-iterations/s "
-          f"(compile {compile_s:.1f} s; posterior mean of mu {float(out['mu'].mean()):.1f})")
-    print(f"ratio d3pext / NumPy     : {d3p_rate / numpy_rate:12.2f}")
+    compile_s, _ = _cpu_time(lambda: run(jax.random.key(0)))
+    cpu, out = _cpu_time(lambda: run(jax.random.key(1)))
+    d3p_rate = sets * chains * iters / cpu
+    print(f"sample_releases {sets} x {chains} chains: {d3p_rate:10.0f}   ratio {d3p_rate / numpy_rate:.2f} "
+          f"(first call {compile_s:.1f} CPU-s; posterior mean of mu {float(out['mu'].mean()):.1f})")
     hours = FIGURE2_CHAIN_ITERATIONS / d3p_rate / 3600
-    print(f"Figure 2 study ({FIGURE2_CHAIN_ITERATIONS:.2e} chain-iterations): {hours:,.0f} h at the "
-          f"d3pext rate on this machine; one NumPy chain per core: "
+    print(f"Figure 2 study ({FIGURE2_CHAIN_ITERATIONS:.2e} chain-iterations): {hours:,.0f} CPU-hours at "
+          f"the sample_releases rate; one NumPy chain per core: "
           f"{FIGURE2_CHAIN_ITERATIONS / numpy_rate / 3600:,.0f} core-hours "
           "(the paper: 168 settings x 10-20 h = 1,700-3,400 core-hours)")
 

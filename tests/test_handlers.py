@@ -379,4 +379,4 @@ def test_a_release_refuses_data_with_more_records_than_its_plate():
     for kw in ({}, {"statistic": "sample_mean", "bounds": (0.0, 1.0)}):
         private = privatize(model, site="x", mechanism=LaplaceMechanism(0.5), **kw)
         with pytest.raises(ValueError, match="7 records along plate 'records' of size 5"):
-            make_release(private, 5, jnp.array([1, 0, 1, 1, 0, 1, 1.0]), rng_key=jax.random.key(0), reproducible=True)
+            make_release(private, 5, jnp.array([1, 0, 1, 1, 0, 1, 1.0]), rng_key=random.key(0), reproducible=True)

@@ -283,3 +283,89 @@ def test_tgm_sampler_gof_slow(x64, tau, upper):
             _, u, _, _ = tgm_batch(100 * seed + rep, betas, tau, upper)
             for beta, ui in zip(betas, u):
                 assert pit_gof(ui) > GOF_THRESHOLD / 10, beta
+
+
+# ---------------------------------------------------------------------------------------------
+# The rejection samplers (truncated_gamma_from_uniforms, tgm_from_uniforms) across regimes, by
+# the probability integral transform through independent CDFs (scipy's incomplete gammas for the
+# truncated gamma, the mpmath-checked TGM.cdf for the TGM); one compile per sampler.
+
+# (concentration, rate, low, high): small / unit / large shape, narrow / wide truncation, far tail
+REJECTION_GAMMA_CASES = [
+    (0.5, 1.0, 0.0, math.inf), (0.5, 1.0, 0.3, 2.0), (0.9, 2.0, 5.0, math.inf), (1.0, 1.0, 3.0, 4.0),
+    (1.5, 3.0, 0.0, 0.05), (21.0, 100.0, 0.1, 0.3), (21.0, 1.0, 60.0, math.inf),
+    (20.5, 30.0, 4.0, math.inf), (500.0, 1.0, 480.0, 481.0), (500.0, 1.0, 0.0, math.inf),
+]
+SLOW_REJECTION_GAMMA_CASES = REJECTION_GAMMA_CASES + [
+    (0.1, 1.0, 0.0, math.inf), (0.5, 1.0, 1e-8, 1e-4), (0.5, 1.0, 30.0, math.inf), (2.0, 1.0, 0.0, 1e-3),
+    (3.0, 0.5, 0.0, math.inf), (21.0, 1.0, 100.0, 101.0), (21.0, 2e8, 0.0, 0.22), (1e4, 1.0, 0.0, math.inf),
+    (1e4, 1.0, 1e4 + 300.0, math.inf),
+]
+
+
+def _gamma_pit(x, a, rate, low, high):
+    """F(x) of Gamma(a, rate) on [low, high] from scipy, in the tail the interval lies in."""
+    import scipy.special as sps
+
+    lo, hi, z = low * rate, high * rate, np.asarray(x, np.float64) * rate
+    if lo >= a:
+        q_lo, q_hi = sps.gammaincc(a, lo), sps.gammaincc(a, hi)
+        return (q_lo - sps.gammaincc(a, z)) / (q_lo - q_hi)
+    p_lo, p_hi = sps.gammainc(a, lo), sps.gammainc(a, hi)
+    return (sps.gammainc(a, z) - p_lo) / (p_hi - p_lo)
+
+
+@jax.jit
+def _rejection_gamma_batch(key, a, rate, low, high):
+    keys = jax.random.split(key, a.shape[0])
+    return jax.vmap(lambda k, *p: truncated_gamma(k, *p, (TGM_SAMPLES,)))(keys, a, rate, low, high)
+
+
+def _check_rejection_gamma(cases, seed, threshold):
+    params = [jnp.array(v, jnp.float64) for v in zip(*cases)]
+    x = np.asarray(_rejection_gamma_batch(jax.random.key(seed), *params))
+    for (a, rate, low, high), xi in zip(cases, x):
+        assert np.all((xi >= low) & (xi <= high)) and np.all(np.isfinite(xi)), (a, rate, low, high)
+        assert pit_gof(_gamma_pit(xi, a, rate, low, high)) > threshold, (a, rate, low, high)
+
+
+def test_truncated_gamma_rejection_gof(x64):
+    _check_rejection_gamma(REJECTION_GAMMA_CASES, 11, GOF_THRESHOLD)
+
+
+@pytest.mark.slow
+def test_truncated_gamma_rejection_gof_slow(x64):
+    for seed in range(3):
+        _check_rejection_gamma(SLOW_REJECTION_GAMMA_CASES, 20 + seed, GOF_THRESHOLD / 10)
+
+
+@pytest.mark.slow
+def test_truncated_gamma_rejection_concrete_shapes_and_retry_keys(x64):
+    # concrete shapes compile only their regime; a function i -> key is accepted for the retries
+    from d3pext.distributions.truncated_gamma import truncated_gamma_from_uniforms
+
+    u = jax.random.uniform(jax.random.key(5), (2, TGM_SAMPLES), jnp.float64, minval=1e-300)
+    retry = jax.random.key(6)
+    for a, rate, low, high in [(0.5, 1.0, 0.3, 2.0), (21.0, 1.0, 60.0, math.inf)]:
+        x = np.asarray(truncated_gamma_from_uniforms(u, lambda i: jax.random.fold_in(retry, i), a, rate, low, high))
+        assert pit_gof(_gamma_pit(x, a, rate, low, high)) > GOF_THRESHOLD, a
+
+
+@pytest.mark.slow
+def test_truncated_gamma_rejection_float32():
+    x = np.asarray(truncated_gamma(jax.random.key(9), 21.0, 100.0, 0.1, 0.3, (TGM_SAMPLES,)))
+    assert x.dtype == np.float32 and np.all((x >= 0.1) & (x <= 0.3))
+    assert pit_gof(_gamma_pit(x, 21.0, 100.0, 0.1, 0.3)) > GOF_THRESHOLD
+
+
+def test_tgm_rejection_regimes_gof(x64):
+    # alpha < 1 (component chosen by weight), alpha = 1 (piecewise exponential), a dominant
+    # Laplace kink (lam >> spread of the gamma), tau far beyond upper, narrow upper
+    alpha = [0.5, 1.0, 21.0, 21.0, 3.0]
+    beta = [100.0, 12.0, 1010.0, 100.0, 1e4]
+    lam = [10.75, 10.75, 1000.0, 10.75, 10.75]
+    tau = [0.02, 0.02, 0.01, 3.0, 2e-4]
+    upper = [0.25, 0.25, math.inf, 0.25, 2.5e-4]
+    _, u, _, _ = tgm_batch(12, beta, tau, upper, alpha=alpha, lam=lam)
+    for params, ui in zip(zip(alpha, beta, lam, tau, upper), u):
+        assert pit_gof(ui) > GOF_THRESHOLD, params

@@ -13,9 +13,13 @@ with weights
 (``P``, ``Q`` the regularized incomplete gamma functions). ``beta`` runs from 10 to 1e8 in the
 paper's Example 1, where ``Q`` underflows: every mass here is computed in log space
 (:func:`log_gammainc`, :func:`log_gammaincc`: series and continued fraction where the direct
-evaluation underflows) and draws are made by inversion of the log CDF (:func:`truncated_gamma`,
-Newton steps on a concave function, so monotone and bounded). Use float64
-(``jax.enable_x64``) for exact work; float32 runs but its quantiles are coarser.
+evaluation underflows). Draws are exact rejection samplers that evaluate no incomplete gamma
+function (:func:`truncated_gamma_from_uniforms`, :func:`tgm_from_uniforms`: a log-concave
+three-tangent envelope for shape ``>= 1``, which covers the whole TGM without choosing a
+component, and a power/exponential envelope below shape 1; derivations above
+``_log_concave_envelope`` in the source); inversion of the log CDF (:func:`truncated_gamma_icdf`,
+Newton steps on a concave function) remains for quantiles and as the exact fallback of a lane
+that rejects 63 times in a row. Use float64 (``jax.enable_x64``) for exact work; float32 runs.
 
 NumPyro's ``TruncatedGamma`` (``LeftTruncatedGamma``, ...) takes its normalizer outside log space
 and returns ``nan`` where it underflows, which happens in the TGM's components; the tests use it
@@ -45,8 +49,10 @@ __all__ = [
     "log_gamma_mass",
     "log_gammainc",
     "log_gammaincc",
+    "tgm_from_uniforms",
     "tgm_log_weights",
     "truncated_gamma",
+    "truncated_gamma_from_uniforms",
     "truncated_gamma_icdf",
 ]
 
@@ -114,15 +120,18 @@ def _log_pq(a: Array, x: Array) -> tuple[Array, Array]:
     log_p = jnp.where(p > 0.5, jnp.log1p(-q), jnp.log(jnp.where(p > 0, p, 1.0)))
     log_q = jnp.where(q > 0.5, jnp.log1p(-p), jnp.log(jnp.where(q > 0, q, 1.0)))
     small_p, small_q = p < _switch(dtype), q < _switch(dtype)
-    # the fallbacks run in a loop of at most one pass, skipped (also under vmap) unless needed
+    # the fallbacks run in a loop of at most one pass, skipped (also under vmap) unless needed;
+    # the barrier keeps XLA from hoisting the (loop-invariant) series out of the loop
+    def fallback(c):
+        log_p, log_q, done, a_, x_ = lax.optimization_barrier((c[0], c[1], c[2], a, safe_x))
+        return (
+            jnp.where(small_p, _log_p_series(a_, jnp.where(small_p, x_, jnp.minimum(x_, a_))), log_p),
+            jnp.where(small_q, _log_q_fraction(a_, jnp.where(small_q, x_, jnp.maximum(x_, a_ + 2))), log_q),
+            jnp.ones_like(done),
+        )
+
     log_p, log_q, _ = lax.while_loop(
-        lambda c: ~c[2],
-        lambda c: (
-            jnp.where(small_p, _log_p_series(a, jnp.where(small_p, safe_x, jnp.minimum(safe_x, a))), c[0]),
-            jnp.where(small_q, _log_q_fraction(a, jnp.where(small_q, safe_x, jnp.maximum(safe_x, a + 2))), c[1]),
-            jnp.array(True),
-        ),
-        (log_p, log_q, ~jnp.any(small_p | small_q)),
+        lambda c: ~c[2], fallback, (log_p, log_q, ~jnp.any(small_p | small_q))
     )
     log_p = jnp.where(x <= 0, -jnp.inf, jnp.where(jnp.isposinf(x), 0.0, log_p))
     log_q = jnp.where(x <= 0, 0.0, jnp.where(jnp.isposinf(x), -jnp.inf, log_q))
@@ -260,7 +269,8 @@ def truncated_gamma(
     high: ArrayLike = float("inf"),
     shape: tuple[int, ...] = (),
 ) -> Array:
-    """Draws of ``Gamma(concentration, rate)`` restricted to ``[low, high]`` (exact inversion).
+    """Draws of ``Gamma(concentration, rate)`` restricted to ``[low, high]`` (exact, by rejection:
+    :func:`truncated_gamma_from_uniforms`).
 
     >>> from jax import random
     >>> x = truncated_gamma(random.key(0), 20.0, 1.0, 0.0, 1.0, (100,))  # mass 2e-19
@@ -269,8 +279,9 @@ def truncated_gamma(
     """
     dtype = _dtype(concentration, rate, low, high)
     shape = jnp.broadcast_shapes(shape, *(jnp.shape(v) for v in (concentration, rate, low, high)))
-    u = _open_uniform(rng_key, shape, dtype)
-    return truncated_gamma_icdf(u, concentration, rate, low, high)
+    key_u, key_retry = random.split(rng_key)
+    u = _open_uniform(key_u, (2, *shape), dtype)
+    return truncated_gamma_from_uniforms(u, key_retry, concentration, rate, low, high)
 
 
 def _open_uniform(rng_key: Array, shape, dtype) -> Array:
@@ -319,6 +330,289 @@ def _is_concrete(*args) -> bool:
     return not any(isinstance(v, jax.core.Tracer) for v in args)
 
 
+# ---------------------------------------------------------------------------------------------
+# Exact samplers by rejection (no incomplete gamma on the hot path)
+#
+# Kernel  k(x) = x^(a-1) exp(-beta x - lam |x - tau|)  on  [low, high]  (lam = 0: a truncated
+# gamma; low = 0, high = upper: the TGM). With h = log k:
+#
+# * a >= 1: h is concave ((a-1) log x concave, -beta x linear, -lam |x - tau| concave), so every
+#   tangent of h lies above h. The envelope is "adaptive rejection with three abscissae", built
+#   once per draw: the mode m of h on [low, high] (closed form: (a-1)/(beta+lam) if that exceeds
+#   tau, else (a-1)/(beta-lam) if that is below tau, else tau; clipped to [low, high]), and two
+#   points x_l < m < x_r where h has dropped by about 1 (from the one-sided slopes g and curvature
+#   c = (a-1)/m^2 at m: g d + c d^2 / 2 = 1). The envelope is
+#       env(x) = min(h(m), h(x_l) + h'(x_l)(x - x_l), h(x_r) + h'(x_r)(x - x_r)) >= h(x),
+#   i.e. flat at h(m) on [z_l, z_r] (z where a tangent meets the top) with exponential tails
+#   truncated at low and high. Its pieces have closed-form masses and inverse CDFs: one uniform
+#   picks the point by inverting the envelope's CDF, and x is kept with probability
+#       exp(h(x) - env(x)) <= 1,
+#   so a kept x has density exactly proportional to k (the standard rejection argument: the
+#   proposal density is env / int env, the acceptance env -> k). The positions of x_l, x_r only
+#   affect the efficiency, never the law. For a near-normal h the acceptance rate is about 0.88
+#   (tangents at +- sqrt(2) sd); for a Laplace-like kink or a boundary mode with linear h it tends
+#   to 1; for any log-concave h with x_l, x_r where h has dropped by exactly 1 it is at least
+#   (1 - 1/e) / (1 + 1/e) = 0.46 (Devroye 1986, VII.2).
+# * a < 1, lam = 0 (truncated gamma, log-convex): standardised y = rate x on [L, U], B = L + 1.
+#   On [L, min(B, U)] the proposal y^(a-1) (power law, inverse CDF (L^a + f (B^a - L^a))^(1/a)),
+#   kept with probability exp(-(y - L)) >= 1/e; on [B, U] the proposal B^(a-1) exp(-y)
+#   (translated exponential), kept with probability (y / B)^(a-1) (y >= B, a < 1, so <= 1;
+#   B >= 1 gives an average >= E[(1 + E)^(-1)] = 0.6). Both pieces bound y^(a-1) e^(-y) times
+#   e^L, so the mixture of the two pieces by their masses is an exact envelope.
+# * a < 1, lam > 0 (TGM with alpha < 1; never in Kazan & Reiter, where alpha = (n - 1)/2 >= 1):
+#   the component is chosen by its log weight (tgm_log_weights) and drawn as above.
+#
+# Rejection loop: the first proposal uses the given uniforms; lanes that reject draw new ones in a
+# lax.while_loop (under vmap only while some lane still rejects), for at most _MAX_ROUNDS rounds;
+# a lane still rejecting then (probability < 0.55^63 for valid parameters; NaN parameters) gets
+# the exact inversion draw (truncated_gamma_icdf / TGM.icdf_pair), which is therefore exact too.
+
+_MAX_ROUNDS = 64
+
+
+def _log_concave_envelope(a, beta, lam, tau, low, high):
+    """Envelope of ``x^(a-1) exp(-beta x - lam |x - tau|)`` on ``[low, high]``, ``a >= 1``."""
+    am1 = a - 1
+    b1, b2 = beta - lam, beta + lam
+    m2 = am1 / b2
+    m1 = jnp.where(b1 > 0, am1 / jnp.where(b1 > 0, b1, 1.0), jnp.inf)
+    m = jnp.where(m2 > tau, m2, jnp.where(m1 < tau, m1, tau))
+    m = jnp.clip(m, low, high)
+    safe_m = jnp.where(m > 0, m, 1.0)
+    lin_m = am1 / safe_m - beta  # slope of the smooth part at m
+
+    def rel(x):  # h(x) - h(m)
+        log_ratio = jnp.log(jnp.where(x > 0, x, 0.0) / safe_m)
+        smooth = jnp.where(am1 == 0, 0.0, am1 * log_ratio)
+        return smooth - beta * (x - m) - lam * (jnp.abs(x - tau) - jnp.abs(m - tau))
+
+    def slope(x):  # a supergradient of h at x > 0
+        return am1 / jnp.where(x > 0, x, 1.0) - beta - lam * jnp.sign(x - tau)
+
+    c = jnp.where(m > 0, am1 / safe_m**2, 0.0)
+    g_r = jnp.maximum(-(lin_m - lam * jnp.where(m >= tau, 1.0, -1.0)), 0.0)
+    g_l = jnp.maximum(lin_m - lam * jnp.where(m > tau, 1.0, -1.0), 0.0)
+    d_r = 2 / (g_r + jnp.sqrt(g_r**2 + 2 * c))
+    d_l = 2 / (g_l + jnp.sqrt(g_l**2 + 2 * c))
+
+    # tangent points: where h dropped by about 1, or half way to an end closer than that
+    have_r = m < high
+    x_r = jnp.where(m + d_r < high, m + d_r, m + (high - m) / 2)
+    x_r = jnp.where(have_r & jnp.isfinite(x_r), x_r, m + 1.0)
+    k_r = jnp.where(have_r, -slope(x_r), 1.0)
+    z_r = jnp.where(have_r, x_r + rel(x_r) / k_r, high)
+    mass_r = jnp.where(have_r, -jnp.expm1(-k_r * (high - z_r)) / k_r, 0.0)
+
+    have_l = m > low
+    x_l = jnp.where(m - d_l > low, m - d_l, m - (m - low) / 2)
+    x_l = jnp.where(have_l & jnp.isfinite(x_l), x_l, m + 1.0)
+    k_l = jnp.where(have_l, slope(x_l), 1.0)
+    z_l = jnp.where(have_l, x_l - rel(x_l) / k_l, low)
+    mass_l = jnp.where(have_l, -jnp.expm1(-k_l * (z_l - low)) / k_l, 0.0)
+    mass_f = z_r - z_l
+    return rel, (low, high, z_l, z_r, k_l, k_r, mass_l, mass_f, mass_r)
+
+
+def _log_concave_propose(rel, env, u):
+    low, high, z_l, z_r, k_l, k_r, mass_l, mass_f, mass_r = env
+    v = u[0] * (mass_l + mass_f + mass_r)
+    in_l = v < mass_l
+    in_r = v >= mass_l + mass_f
+    v_l = jnp.where(in_l, v, 0.0)
+    v_r = jnp.where(in_r, jnp.clip(v - mass_l - mass_f, 0.0, mass_r), 0.0)
+    t_l = -jnp.log1p(-k_l * v_l) / k_l
+    t_r = -jnp.log1p(-k_r * v_r) / k_r
+    x = jnp.where(in_l, z_l - t_l, jnp.where(in_r, z_r + t_r, z_l + (v - mass_l)))
+    log_env = jnp.where(in_l, -k_l * t_l, jnp.where(in_r, -k_r * t_r, 0.0))
+    x = jnp.clip(x, low, high)
+    return x, jnp.log(u[1]) <= rel(x) - log_env
+
+
+def _small_shape_envelope(a, lo, hi):
+    """Envelope of ``y^(a-1) e^(-y)`` on ``[lo, hi]``, ``a < 1`` (standardised, rate 1)."""
+    b = jnp.minimum(lo + 1, hi)
+    safe_lo = jnp.where(lo > 0, lo, 1.0)
+    # B^a - L^a without cancellation: L^a expm1(a log1p((B - L) / L)), or B^a at L = 0
+    em = jnp.expm1(a * jnp.log1p((b - lo) / safe_lo))
+    mass_p = jnp.where(lo > 0, safe_lo**a * em, b**a) / a
+    has_e = b < hi
+    e_scale = b ** (a - 1) * jnp.exp(-(b - lo))
+    mass_e = jnp.where(has_e, e_scale * -jnp.expm1(-(hi - b)), 0.0)
+    return (a, lo, hi, b, safe_lo, em, mass_p, mass_e, e_scale)
+
+
+def _small_shape_propose(env, u):
+    a, lo, hi, b, safe_lo, em, mass_p, mass_e, e_scale = env
+    v = u[0] * (mass_p + mass_e)
+    in_p = v < mass_p
+    f = jnp.where(in_p, v / mass_p, 0.5)
+    y_p = jnp.where(lo > 0, safe_lo * jnp.exp(jnp.log1p(f * em) / a), b * f ** (1 / a))
+    v_e = jnp.where(in_p, 0.0, (v - mass_p) / e_scale)
+    y_e = b - jnp.log1p(-jnp.clip(v_e, 0.0, 1.0))
+    y = jnp.clip(jnp.where(in_p, y_p, y_e), lo, hi)
+    log_acc = jnp.where(in_p, -(y - lo), (a - 1) * jnp.log(y / b))
+    return y, jnp.log(u[1]) <= log_acc
+
+
+def _retry_keys(retry_key):
+    """``i -> key``: a key, folded with ``i``, or already such a function."""
+    if callable(retry_key):
+        return retry_key
+    return lambda i: random.fold_in(retry_key, i)
+
+
+def _by_rejection(propose, u, retry_key, fallback, params):
+    """Run ``propose(u) -> (x, accepted)`` until every component accepted (see above); a
+    component still rejecting after ``_MAX_ROUNDS`` gets ``fallback(u, *params)``."""
+    shape, dtype = u.shape[1:], u.dtype
+    retry_key = _retry_keys(retry_key)
+    x, ok = propose(u)
+
+    def retry(carry):
+        i, x, ok = carry
+        x_new, accepted = propose(_open_uniform(retry_key(i), (2, *shape), dtype))
+        return i + 1, jnp.where(ok, x, x_new), ok | accepted
+
+    _, x, ok = lax.while_loop(
+        lambda c: (c[0] < _MAX_ROUNDS) & ~jnp.all(c[2]), retry, (jnp.int32(1), x, ok)
+    )
+
+    def invert(carry):
+        x, done = carry
+        # the barrier ties the fallback to the loop state: without it XLA hoists the whole
+        # (loop-invariant) inversion out of the loop and computes it for every draw
+        x, u_inv, args = lax.optimization_barrier(
+            (x, _open_uniform(retry_key(_MAX_ROUNDS), (2, *shape), dtype), params)
+        )
+        return jnp.where(ok, x, fallback(u_inv, *args)), jnp.ones_like(done)
+
+    return lax.while_loop(lambda c: ~c[1], invert, (x, jnp.all(ok)))[0]
+
+
+def _shape_regimes(concentration) -> tuple[bool, bool]:
+    """Whether shapes ``< 1`` and ``>= 1`` can occur (both when traced): only those get compiled."""
+    if _is_concrete(concentration):
+        a = np.asarray(concentration)
+        return bool(np.any(a < 1)), bool(np.any(a >= 1))
+    return True, True
+
+
+def truncated_gamma_from_uniforms(
+    u: Array,
+    retry_key: Array,
+    concentration: ArrayLike,
+    rate: ArrayLike,
+    low: ArrayLike = 0.0,
+    high: ArrayLike = float("inf"),
+) -> Array:
+    """Exact draws of ``Gamma(concentration, rate)`` restricted to ``[low, high]`` by rejection.
+
+    ``u``: ``(2, *shape)`` uniforms on ``(0, 1)`` for the first proposal; ``retry_key`` (a key,
+    or a function ``i -> key`` for ``1 <= i <= 65``, e.g. ``SweepDraws.retry_keys()``) gives the
+    uniforms of later proposals (drawn only while some component rejects). Log-concave envelope
+    for ``concentration >= 1``, power/exponential envelope below (see the notes above
+    ``_log_concave_envelope`` in the source); no incomplete gamma function is evaluated except
+    in the exact fallback after ``_MAX_ROUNDS`` rejections in a row.
+
+    >>> import jax.numpy as jnp
+    >>> from jax import random
+    >>> u = random.uniform(random.key(0), (2, 1000), minval=1e-12)
+    >>> x = truncated_gamma_from_uniforms(u, random.key(1), 21.0, 1.0, 200.0)
+    >>> bool((x >= 200.0).all() and (x < 230.0).all())
+    True
+    """
+    dtype = _dtype(u, concentration, rate, low, high)
+    shape = u.shape[1:]
+    a, rate, low, high = (
+        jnp.broadcast_to(jnp.asarray(v, dtype), shape) for v in (concentration, rate, low, high)
+    )
+    low = jnp.maximum(low, 0.0)
+    lo, hi = low * rate, high * rate
+    u = jnp.asarray(u, dtype)
+    need_small, need_big = _shape_regimes(concentration)
+    big = a >= 1
+    proposals = []
+    if need_small:
+        small_env = _small_shape_envelope(jnp.where(big, 0.5, a), lo, hi)
+        proposals.append(lambda u: _small_shape_propose(small_env, u))
+    if need_big:
+        zero = jnp.zeros_like(a)
+        rel, env = _log_concave_envelope(jnp.where(big, a, 1.0), zero + 1, zero, zero, lo, hi)
+        proposals.append(lambda u: _log_concave_propose(rel, env, u))
+
+    def propose(u):
+        if len(proposals) == 1:
+            y, ok = proposals[0](u)
+        else:
+            (y_s, ok_s), (y_b, ok_b) = (p(u) for p in proposals)
+            y, ok = jnp.where(big, y_b, y_s), jnp.where(big, ok_b, ok_s)
+        return y / rate, ok
+
+    def fallback(u, a, rate, low, high):
+        return truncated_gamma_icdf(u[0], a, rate, low, high)
+
+    return _by_rejection(propose, u, retry_key, fallback, (a, rate, low, high))
+
+
+def tgm_from_uniforms(
+    u: Array,
+    retry_key: Array,
+    alpha: ArrayLike,
+    beta: ArrayLike,
+    lam: ArrayLike,
+    tau: ArrayLike,
+    upper: ArrayLike = float("inf"),
+) -> Array:
+    """Exact draws of ``TGM(alpha, beta, lam, tau, upper)`` by rejection (``u``, ``retry_key`` as
+    in :func:`truncated_gamma_from_uniforms`).
+
+    ``alpha >= 1`` (always in Kazan & Reiter): the density is log-concave and is drawn directly,
+    without choosing a component, so without any incomplete gamma function. ``alpha < 1``: the
+    component is chosen once by its log weight, then drawn by :func:`truncated_gamma_from_uniforms`'s
+    small-shape envelope.
+
+    >>> from jax import random
+    >>> u = random.uniform(random.key(0), (2, 1000), minval=1e-12)
+    >>> x = tgm_from_uniforms(u, random.key(1), 21.0, 700.0, 10.75, 0.22, 0.25)
+    >>> bool((x > 0).all() and (x <= 0.25).all())
+    True
+    """
+    dtype = _dtype(u, alpha, beta, lam, tau, upper)
+    shape = u.shape[1:]
+    alpha, beta, lam, tau, upper = (
+        jnp.broadcast_to(jnp.asarray(v, dtype), shape) for v in (alpha, beta, lam, tau, upper)
+    )
+    u = jnp.asarray(u, dtype)
+    need_small, need_big = _shape_regimes(alpha)
+    big = alpha >= 1
+    proposals = []
+    if need_small:
+        # the component, once, outside the loop (a choice per proposal would favour the component
+        # with the higher acceptance rate)
+        (lw1, lw2), first, second = _tgm_parts(alpha, beta, lam, tau, upper)
+        u_pick = _open_uniform(_retry_keys(retry_key)(_MAX_ROUNDS + 1), shape, dtype)
+        choose = jnp.log(u_pick) < lw1 - jnp.logaddexp(lw1, lw2)
+        rate, lo, hi = (jnp.where(choose, c1, c2) for c1, c2 in zip(first[:3], second[:3]))
+        small_env = _small_shape_envelope(jnp.where(big, 0.5, alpha), lo * rate, hi * rate)
+        proposals.append(lambda u: (lambda y, ok: (y / rate, ok))(*_small_shape_propose(small_env, u)))
+    if need_big:
+        rel, env = _log_concave_envelope(
+            jnp.where(big, alpha, 1.0), beta, lam, tau, jnp.zeros_like(upper), upper
+        )
+        proposals.append(lambda u: _log_concave_propose(rel, env, u))
+
+    def propose(u):
+        if len(proposals) == 1:
+            return proposals[0](u)
+        (x_s, ok_s), (x_b, ok_b) = (p(u) for p in proposals)
+        return jnp.where(big, x_b, x_s), jnp.where(big, ok_b, ok_s)
+
+    def fallback(u, *params):
+        return TruncatedGammaMixture(*params).icdf_pair(u)
+
+    return _by_rejection(propose, u, retry_key, fallback, (alpha, beta, lam, tau, upper))
+
+
 class TruncatedGammaMixture(Distribution):
     r"""Truncated gamma mixture ``TGM(alpha, beta, lam, tau, upper)`` (Kazan & Reiter, Def. 1).
 
@@ -326,9 +620,10 @@ class TruncatedGammaMixture(Distribution):
         p(x) \propto x^{\alpha - 1} e^{-\beta x - \lambda |x - \tau|}, \quad 0 < x < u,
 
     with ``beta > lam > 0`` (so that the density is a mixture of two truncated gammas). Sampling
-    picks the component by its log weight (:func:`tgm_log_weights`) and inverts its truncated
-    gamma CDF in log space (:func:`truncated_gamma_icdf`); no evaluation underflows, whatever
-    ``beta``.
+    is exact rejection (:func:`tgm_from_uniforms`: for ``alpha >= 1`` the density is log-concave
+    and drawn directly, without the weights); :meth:`icdf_pair` inverts the CDF in log space
+    (component by its log weight, then :func:`truncated_gamma_icdf`); no evaluation underflows,
+    whatever ``beta``.
 
     :param alpha: shape ``> 0`` (``(n - 1) / 2`` for a sample variance).
     :param beta: rate ``> lam`` (``(n - 1) / (2 sigma^2)``).
@@ -403,8 +698,9 @@ class TruncatedGammaMixture(Distribution):
     def sample(self, key: Array, sample_shape: tuple[int, ...] = ()) -> Array:
         assert is_prng_key(key)
         dtype = _dtype(self.alpha, self.beta, self.lam, self.tau, self.upper)
-        u = _open_uniform(key, (2, *sample_shape, *self.batch_shape), dtype)
-        return self.icdf_pair(u)
+        key_u, key_retry = random.split(key)
+        u = _open_uniform(key_u, (2, *sample_shape, *self.batch_shape), dtype)
+        return tgm_from_uniforms(u, key_retry, self.alpha, self.beta, self.lam, self.tau, self.upper)
 
     @validate_sample
     def log_prob(self, value: ArrayLike) -> Array:

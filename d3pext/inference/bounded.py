@@ -68,7 +68,7 @@ from d3pext.distributions.expfam import record_distribution
 from d3pext.inference.gibbs_base import ConstrainedGibbsKernel
 from d3pext.inference.structure import NotApplicable, PrivateModel
 from d3pext.releases.mechanisms import LaplaceMechanism
-from d3pext.distributions.truncated_gamma import TruncatedGammaMixture, truncated_gamma_icdf
+from d3pext.distributions.truncated_gamma import tgm_from_uniforms, truncated_gamma_from_uniforms
 from d3pext.validation import check_bounds
 
 __all__ = [
@@ -470,12 +470,12 @@ class KazanReiterGibbs(ConstrainedGibbsKernel):
         return KazanReiterState(z, jnp.stack([ym, yv]), rng_key)
 
     def sample(self, state, model_args, model_kwargs):
-        next_key, key_draw = random.split(state.rng_key)
+        next_key, key_draw, key_retry = random.split(state.rng_key, 3)
         w = uniform_pairs(key_draw, (5,), state.released.dtype)
-        z = self._sweep(state.z, state.released, w)
+        z = self._sweep(state.z, state.released, w, key_retry)
         return KazanReiterState(z, state.released, next_key)
 
-    def _sweep(self, z, released, w):
+    def _sweep(self, z, released, w, key_retry):
         spec, n = self.spec, self.n
         ym, yv = released[0], released[1]
         mu_site, var_site = spec.mean_site, spec.var_site
@@ -518,7 +518,10 @@ class KazanReiterGibbs(ConstrainedGibbsKernel):
         floor = 2 * self.lam2 / (n - 1)
         if spec.constrained:
             floor = jnp.maximum(floor, 1 / (mu * (1 - mu)))
-        precision = truncated_gamma_icdf((1 + w[0, 1]) / 2, shape, rate, floor, unbounded)
+        # exact rejection sampler (no incomplete gamma); retry keys i and 2**20 + i: disjoint
+        precision = truncated_gamma_from_uniforms(
+            (1 + w[:, 1]) / 2, lambda i: random.fold_in(key_retry, i), shape, rate, floor, unbounded
+        )
         sigma2 = 1 / precision
         z[mu_site], z[var_site] = mu, sigma2
         if self.naive:
@@ -537,8 +540,10 @@ class KazanReiterGibbs(ConstrainedGibbsKernel):
 
         # 5. S^2 | sigma^2, Ybar: truncated gamma mixture
         upper = n / (n - 1) * ybar * (1 - ybar) if spec.constrained else unbounded
-        tgm = TruncatedGammaMixture((n - 1) / 2, (n - 1) / (2 * sigma2), self.lam2, yv, upper)
-        s2 = tgm.icdf_pair((1 + w[:, 4]) / 2)
+        s2 = tgm_from_uniforms(
+            (1 + w[:, 4]) / 2, lambda i: random.fold_in(key_retry, 2**20 + i),
+            (n - 1) / 2, (n - 1) / (2 * sigma2), self.lam2, yv, upper,
+        )
         z[self._names["ybar"]], z[self._names["omega2"]], z[self._names["s2"]] = ybar, omega2, s2
         return z
 
