@@ -57,6 +57,18 @@ class _tool_view(Messenger):
             msg["stop"] = True
 
 
+def _same_argument(a: Any, b: Any) -> bool:
+    """The same array object, or equal plain values (ints, floats, strings)."""
+    if a is b:
+        return True
+    if hasattr(a, "shape") or hasattr(b, "shape"):
+        return False
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:
+        return False
+
+
 class PrivatePosterior(MCMCKernel):
     """MCMC kernel that picks the backend of ``method`` for a privatized model at ``init``.
 
@@ -110,12 +122,20 @@ class PrivatePosterior(MCMCKernel):
             self.prepare(model_args, model_kwargs)
         model_kwargs = self._kwargs(model_kwargs)
         self._batched = not is_prng_key(rng_key)
+        leaves, treedef = jax.tree.flatten((model_args, model_kwargs))
+        cached = getattr(self, "_init_cache", None)
+        # a second mcmc.run with the same arguments reuses the compiled init instead of compiling again
+        if cached is None or cached[:3] != (self._batched, num_warmup, treedef) or not all(
+            map(_same_argument, cached[3], leaves)
+        ):
 
-        def init(key, params):
-            return self.inner.init(key, num_warmup, params, model_args, model_kwargs)
+            def init(key, params):
+                return self.inner.init(key, num_warmup, params, model_args, model_kwargs)
 
-        # chain_method="vectorized" passes one key per chain
-        return jax.jit(jax.vmap(init) if self._batched else init)(rng_key, init_params)
+            # chain_method="vectorized" passes one key per chain
+            compiled = jax.jit(jax.vmap(init) if self._batched else init)
+            cached = self._init_cache = (self._batched, num_warmup, treedef, leaves, compiled)
+        return cached[4](rng_key, init_params)
 
     def sample(self, state, model_args, model_kwargs):
         model_kwargs = self._kwargs(model_kwargs)

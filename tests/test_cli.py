@@ -149,15 +149,18 @@ def test_accounting_failure_is_a_user_error(command, capsys, monkeypatch):
 def test_demo_reports_privacy_and_accuracy(capsys):
     argv = ["demo", "--epsilon", "2", "--steps", "300", "--seed", "0"]
     assert main(argv) == 0
-    out = _fields(capsys.readouterr().out)
+    text = capsys.readouterr().out
+    out = _fields(text)
     assert out["records"].startswith("398 train, 171 test, 30 features")
     assert float(out["epsilon"].split()[0]) <= 2.0
     assert float(out["delta"]) <= 1e-5 < 1 / 398
     assert float(out["q"].split()[0]) == pytest.approx(200 / 398, rel=1e-3)
     assert out["steps"] == "300"
     assert out["relation"].startswith("substitute")
-    assert float(out["sigma"]) > 0
+    assert float(out["sigma"].split()[0]) > 0 and "noise multiplier" in out["sigma"]
+    assert "sampling rate" in out["q"] and "replaced" in out["relation"]
     dp, plain = (float(out[f"test accuracy {k}"].split()[0]) for k in ("DP", "non-private"))
+    assert re.search(r"^test accuracy DP over 3 runs: mean 0\.\d+, sd 0\.\d+", text, flags=re.M)
     # 63% of the test records are benign: both fits must beat predicting the majority class.
     assert plain > 0.9 and dp > 0.75, (dp, plain)
 

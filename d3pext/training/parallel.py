@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import math
+import re
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-__all__ = ["check_mesh", "data_parallel_clipped_sum", "padded_size"]
+__all__ = ["check_mesh", "communication", "data_parallel_clipped_sum", "padded_size"]
 
 
 def check_mesh(mesh: Any, axis: Any) -> int:
@@ -159,3 +160,32 @@ def data_parallel_clipped_sum(
     )
     clipped, losses, kept = sharded(params, rng_key, dynamic, rows, indices, positions, mask)
     return clipped, losses[:batch], kept[:batch]
+
+
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<shape>.+?)\s+(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(?P<start>-start)?\("
+)
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
+
+
+def communication(hlo_text: str) -> dict[str, int]:
+    """Bytes per device that each kind of collective of a compiled program produces, by op
+    (``all-reduce``, ``all-gather``, ...), read from its HLO text
+    (``jax.jit(f).lower(...).compile().as_text()``); a collective inside a loop counts once.
+
+    >>> communication("%ar = (f32[64,50]{1,0}, f32[64]{0}) all-reduce(%a, %b), channel_id=1")
+    {'all-reduce': 13056}
+    """
+    volume: dict[str, int] = {}
+    for match in _COLLECTIVE.finditer(hlo_text):
+        arrays = _ARRAY.findall(match["shape"])
+        if match["start"] and match["op"] in ("all-gather", "collective-permute"):
+            arrays = arrays[len(arrays) // 2:]  # async starts return (operands, results)
+        size = 0
+        for dtype, dims in arrays:
+            bits = _BITS.get(dtype) or int(dtype[1:])
+            size += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+        volume[match["op"]] = volume.get(match["op"], 0) + size
+    return volume

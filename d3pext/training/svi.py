@@ -672,12 +672,19 @@ class DPSVI(SVI):
         if not self.structure.plate_mode:
             return
         dyn, static = _split_kwargs(kwargs)
-        kw = {**dyn, **dict(static)}
-        key = threefry_key(rng_key)
-        for index in {0, self.structure.num_records - 1}:
-            record = (jnp.asarray(index), jnp.asarray(0))
-            own = self._record_loss(params, key, args, kw, record)
-            given = self._record_loss(params, key, args, kw, record, isolate=False)
+        last = self.structure.num_records - 1
+
+        @jax.jit  # one compiled check: op-by-op it costs seconds of dispatch
+        def losses(params, key, args, dyn):
+            kw = {**dyn, **dict(static)}
+            records = (jnp.array([0, last]), jnp.zeros(2, jnp.int32))
+            per_record = lambda isolate: jax.vmap(
+                lambda r: self._record_loss(params, key, args, kw, r, isolate=isolate)
+            )(records)
+            return per_record(True), per_record(False)
+
+        own_losses, given_losses = losses(params, threefry_key(rng_key), args, dyn)
+        for index, own, given in zip((0, last), own_losses, given_losses):
             if not bool(jnp.allclose(own, given, rtol=1e-4, atol=1e-5, equal_nan=True)):
                 raise ValueError(
                     f"the loss of record {index} changes when the other records change: the model reads more than "
