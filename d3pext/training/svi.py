@@ -698,6 +698,7 @@ class DPSVI(SVI):
 
     def init(self, rng_key, *args, init_params=None, **kwargs) -> DPSVIState:
         """Trace the model, find its data plate and sampling rate, calibrate sigma if a target was given."""
+        kwargs.pop("mask", None)  # d3p's Poisson-batch mask is DPSVI's, not the model's (see update)
         _num_records(args)
         if rng_key is None:
             rng_key = secure_key()
@@ -900,7 +901,7 @@ class DPSVI(SVI):
             raise ValueError(f"num_steps must be a positive integer, got {num_steps}")
         num_steps = int(num_steps)
         if init_state is None:
-            state = self.init(rng_key, *args, init_params=init_params, **kwargs)
+            state = self.init(rng_key, *args, init_params=init_params, **{k: v for k, v in kwargs.items() if k != "mask"})
         else:
             self._check_ready()
             state = init_state
