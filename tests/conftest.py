@@ -17,8 +17,9 @@ def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile``, except that each notebook is a work unit of its own.
 
     Test modules stay whole (their module-scoped fixtures hold compiled samplers), but the
-    notebooks, which take one to three minutes each at their CI size, spread over the workers
-    instead of running one after another on a single worker at the end of the run.
+    notebooks, which take one to three minutes each at their CI size, are units of their own,
+    handed out first: they spread over the workers while the other files fill in, instead of
+    running last, one after another, on a run that has otherwise finished.
     """
     if config.getoption("dist") != "loadfile":
         return None
@@ -29,6 +30,13 @@ def pytest_xdist_make_scheduler(config, log):
             if "test_notebooks.py::test_notebook_runs[" in nodeid:
                 return nodeid
             return super()._split_scope(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # xdist queues the biggest files first and these one-test units last, where each of
+            # them (one to three minutes) would run alone at the end: hand them out first instead
+            for scope in [s for s in self.workqueue if "test_notebooks.py::" in s]:
+                self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return NotebooksApart(config, log)
 
