@@ -25,6 +25,7 @@ import numpy as np
 __all__ = [
     "check_batch_size",
     "check_bounds",
+    "check_finite",
     "check_int",
     "check_labels",
     "check_positive",
@@ -103,3 +104,18 @@ def check_positive_if_number(name: str, value: Any) -> None:
     """``value > 0`` when it is a Python number; arrays (possibly traced under ``jit``) pass."""
     if isinstance(value, (int, float)) and not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def check_finite(value: Any, what: str, advice: str) -> None:
+    """Refuse a concrete value with NaN or infinite entries: ``"{what} has k non-finite entries
+    (nan/inf); {advice}"``.
+
+    >>> check_finite([1.0, float("nan")], "the statistic", "check the data.")
+    Traceback (most recent call last):
+    ...
+    ValueError: the statistic has 1 non-finite entries (nan/inf); check the data.
+    """
+    finite = np.isfinite(np.asarray(value, dtype=float))
+    if not finite.all():
+        raise ValueError(f"{what} has {int((~finite).sum())} non-finite entries (nan/inf); {advice}")
+

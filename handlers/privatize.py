@@ -33,6 +33,7 @@ from d3pext.prng import secure_key
 from d3pext.releases.counts import check_counts
 from d3pext.releases.info import ReleaseInfo, release_sites
 from d3pext.releases.mechanisms import warn_reproducible
+from d3pext.validation import check_finite
 
 __all__ = ["curator_key", "make_release", "privatize", "privatize_counts"]
 
@@ -229,13 +230,8 @@ class privatize(Messenger):
             self._check_records(msg)
         stat, derived, n, stat_shape = self._statistic(msg)
         if msg["is_observed"] and _is_concrete(stat):
-            finite = np.isfinite(np.asarray(stat, dtype=float))
-            if not finite.all():
-                raise ValueError(
-                    f"privatize({self.site!r}): the released statistic has "
-                    f"{int((~finite).sum())} non-finite entries (nan/inf); check the confidential "
-                    "data. Nothing was released."
-                )
+            check_finite(stat, f"privatize({self.site!r}): the released statistic",
+                         "check the confidential data. Nothing was released.")
         mechanism = self.mechanism
         if mechanism.sensitivity is None:
             mechanism = mechanism.with_sensitivity(derived)
@@ -402,13 +398,8 @@ def make_release(
             )
     statistics = {name: model_trace[name]["infer"]["statistic"] for name in infos}
     for name, statistic in statistics.items():
-        finite = np.isfinite(np.asarray(statistic, dtype=float))
-        if not finite.all():
-            raise ValueError(
-                f"The statistic released at {name!r} has {int((~finite).sum())} non-finite "
-                f"entries (nan/inf): check the confidential data of {infos[name].source!r}. "
-                "Nothing was released."
-            )
+        check_finite(statistic, f"The statistic released at {name!r}",
+                     f"check the confidential data of {infos[name].source!r}. Nothing was released.")
     if ledger is not None:
         ledger.record_many([(name, info.cost()) for name, info in infos.items()])
     releases = {}

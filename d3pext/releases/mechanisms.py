@@ -83,7 +83,7 @@ from d3pext.releases.exact import (
     randomized_round,
 )
 from d3pext.prng import secure_key
-from d3pext.validation import check_positive, check_positive_int, check_real
+from d3pext.validation import check_finite, check_positive, check_positive_int, check_real
 
 __all__ = [
     "ReproducibleReleaseWarning",
@@ -285,13 +285,8 @@ class Mechanism(abc.ABC):
     def _release(self, rng_key, value, num: Optional[int], reproducible: bool) -> Array:
         self._require_sensitivity()
         if not_jax_tracer(value):
-            finite = np.isfinite(np.asarray(value, dtype=float))
-            if not finite.all():
-                raise ValueError(
-                    f"{type(self).__name__}.release: the confidential value has "
-                    f"{int((~finite).sum())} non-finite entries (nan/inf); a release of it would "
-                    "be non-finite or reveal it. Check the data and the statistic."
-                )
+            check_finite(value, f"{type(self).__name__}.release: the confidential value",
+                         "a release of it would be non-finite or reveal it. Check the data and the statistic.")
             self._check_value(value)
         if rng_key is None:
             rng_key = secure_key()
