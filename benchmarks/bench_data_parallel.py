@@ -1,6 +1,7 @@
 """Data-parallel DPSVI: per-device work, communication and step time at D = 1, 2, 4 devices.
 
     python benchmarks/bench_data_parallel.py [--quick] [--devices 1,2,4] [--json PATH]
+    python benchmarks/bench_data_parallel.py --estimate PATH [--q 1e-4] [--epochs 10]   # paper estimate, no run
 
 ``DPSVI(..., mesh=Mesh(devices[:D], ("data",)))`` splits each batch's records over D devices
 (:mod:`d3pext.training.parallel`); the data is sharded by rows over the same axis. For each model and D,
@@ -41,13 +42,83 @@ def _force_devices(count: int) -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+# Stated assumptions of the paper estimate (docs/guides/scaling.md): H100 SXM figures from NVIDIA's data
+# sheet, a utilisation typical of mid-sized matrix products, and a cloud price; change them here.
+ASSUME = dict(
+    peak_flops=67e12,  # FP32 (non-tensor-core) peak of one H100 SXM, flop/s
+    utilisation=0.3,  # fraction of the peak the per-record products reach
+    hbm_bytes_per_s=3.35e12,  # HBM3 bandwidth of one H100 SXM (the non-split work is memory-bound)
+    nvlink_bytes_per_s=450e9,  # NVLink 4 per GPU and direction (8 GPUs of one node, D = 8)
+    infiniband_bytes_per_s=50e9,  # 400 Gb/s NDR per GPU and direction (8 nodes of 8 GPUs, D = 64)
+    latency_s=5e-6,  # per step of a ring collective (2 (D - 1) steps for an all-reduce)
+    usd_per_gpu_hour=3.0,
+)
+
+
+def estimate(figures: dict, model: str = "vae", num_records: float = 1e9, q: float = 1e-4, epochs: float = 10,
+             devices: tuple[int, ...] = (8, 64)) -> list[dict]:
+    """Paper estimate of step time, run time and cost for ``num_records`` records at sampling rate ``q``
+    for ``epochs`` epochs on ``devices`` H100s, from the measured per-record flops, parameter bytes,
+    row bytes and non-split flops of ``model`` in ``figures`` (this script's ``--json`` output)."""
+    m = figures["models"][model]
+    a = ASSUME
+    batch = q * num_records
+    one = m["rows"]["1"]
+    serial_flops = one["step_flops"] - one["per_record_flops"]  # sampler, noise, global terms, optimizer
+    out = []
+    for d in devices:
+        bandwidth = a["nvlink_bytes_per_s"] if d <= 8 else a["infiniband_bytes_per_s"]
+        ring = 2 * (d - 1) / d
+        compute = batch / d * m["per_record_flops"] / (a["peak_flops"] * a["utilisation"])
+        # the non-split part touches each parameter a few times: memory-bound
+        serial = max(serial_flops / (a["peak_flops"] * a["utilisation"]), 16 * m["param_bytes"] / a["hbm_bytes_per_s"])
+        grads = ring * m["param_bytes"] / bandwidth + a["latency_s"] * 2 * (d - 1)
+        rows_allreduce = ring * batch * m["row_bytes"] / bandwidth  # rows sharded, gathered as now (all-reduce)
+        rows_scatter = (d - 1) / d * batch * m["row_bytes"] / bandwidth  # the same as a reduce-scatter
+        rows_all_to_all = (d - 1) / d * batch / d * m["row_bytes"] / bandwidth  # each device receives its B/D rows
+        steps = epochs / q
+        row = dict(devices=d, batch=batch, steps=steps, compute_s=compute, serial_s=serial, grads_s=grads,
+                   rows_allreduce_s=rows_allreduce, rows_reduce_scatter_s=rows_scatter, rows_all_to_all_s=rows_all_to_all)
+        for name, rows in (("own_rows", 0.0), ("sharded", rows_allreduce), ("reduce_scatter", rows_scatter),
+                           ("all_to_all", rows_all_to_all)):
+            step = compute + serial + grads + rows
+            row[f"step_s_{name}"] = step
+            row[f"run_h_{name}"] = step * steps / 3600
+            row[f"usd_{name}"] = step * steps / 3600 * d * a["usd_per_gpu_hour"]
+        out.append(row)
+    return out
+
+
+def print_estimate(path: str, model: str, q: float, epochs: float) -> None:
+    with open(path) as f:
+        figures = json.load(f)
+    m = figures["models"][model]
+    print(f"# paper estimate for {m['label']}: N = 1e9, q = {q:g} (B = {q * 1e9:.0f}), {epochs:g} epochs")
+    print(f"# measured: {m['per_record_flops']:.4g} flops per record, {m['param_bytes']} parameter bytes, "
+          f"{m['row_bytes']} bytes per row; assumptions {ASSUME}")
+    for r in estimate(figures, model, q=q, epochs=epochs):
+        print(f"D={r['devices']}: compute {r['compute_s'] * 1e3:.3f} ms, non-split {r['serial_s'] * 1e3:.3f} ms, "
+              f"gradient all-reduce {r['grads_s'] * 1e3:.3f} ms, batch rows: all-reduce {r['rows_allreduce_s'] * 1e3:.3f} / "
+              f"reduce-scatter {r['rows_reduce_scatter_s'] * 1e3:.3f} / all-to-all {r['rows_all_to_all_s'] * 1e3:.3f} ms")
+        for name in ("own_rows", "sharded", "reduce_scatter", "all_to_all"):
+            print(f"    rows {name:>14}: step {r[f'step_s_{name}'] * 1e3:8.3f} ms, epoch {r[f'step_s_{name}'] / q:8.1f} s, "
+                  f"run {r[f'run_h_{name}']:7.3f} h, {r[f'run_h_{name}'] * r['devices']:8.2f} GPU-h, ${r[f'usd_{name}']:9.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller VAE and fewer repeats")
     parser.add_argument("--devices", default="1,2,4", help="device counts D to compare")
     parser.add_argument("--models", default="logreg,vae")
     parser.add_argument("--json", default=None, help="write the figures to this file")
+    parser.add_argument("--estimate", default=None, metavar="JSON",
+                        help="print the paper estimate for 1e9 records on 8 and 64 H100s from a --json file; no run")
+    parser.add_argument("--q", type=float, default=1e-4, help="sampling rate of the estimate")
+    parser.add_argument("--epochs", type=float, default=10, help="epochs of the estimate")
     args = parser.parse_args()
+    if args.estimate:
+        print_estimate(args.estimate, args.models.split(",")[-1], args.q, args.epochs)
+        return
     counts = [int(d) for d in args.devices.split(",")]
     _force_devices(max(counts))
 
@@ -139,8 +210,18 @@ def main() -> None:
             print(f"{d!s:>5} {part_flops:>21.4g} {row['per_record_ratio']:>6.3f} {step_flops:>15.4g} "
                   f"{row['step_ratio']:>6.3f} {comm_text:>28} {row['ms_per_step']:>8.3f} {diff:>14.3g}")
         params_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
-        print(f"parameters: {params_bytes} bytes")
-        results["models"][name] = dict(label=setup["label"], param_bytes=params_bytes, rows=rows)
+        b = setup["batch"]
+        row_bytes = sum(a[0].size * a.dtype.itemsize for a in setup["data"])
+        per_record = base["part"] / b
+        top = rows[str(max(counts))]["comm_bytes"]
+        print(f"parameters: {params_bytes} bytes; batch rows: {b} x {row_bytes} = {b * row_bytes} bytes; "
+              f"per-record flops (D=1 part / B): {per_record:.4g}")
+        gathered = top.get("all-gather", 0)
+        print(f"at D={max(counts)}: all-gather {gathered} bytes per step "
+              f"({'no' if gathered < b * row_bytes else 'an'} all-gather of the {b * row_bytes} bytes of batch rows); "
+              f"all-reduce {top.get('all-reduce', 0)} = parameters {params_bytes} + {top.get('all-reduce', 0) - params_bytes}")
+        results["models"][name] = dict(label=setup["label"], param_bytes=params_bytes, batch=b, row_bytes=row_bytes,
+                                       per_record_flops=per_record, rows=rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

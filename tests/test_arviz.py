@@ -144,7 +144,12 @@ def _estimator(method):
 
 @pytest.fixture(scope="module")
 def sppe():
-    return _estimator("sppe")
+    # the small SPPE fit of test_sbi.py (one fit per process: it is compilation that costs)
+    pytest.importorskip("flowjax")
+    from d3pext.models.linear_regression import PAPER_S_DP
+    from sbi_fits import tiny_sppe
+
+    return tiny_sppe(), np.asarray(PAPER_S_DP)
 
 
 def _check_inference_data(post, observed, num):

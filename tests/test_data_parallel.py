@@ -4,7 +4,9 @@ CPU devices, in a subprocess (``XLA_FLAGS`` must be set before JAX starts).
 Checked: the same key gives the same gradient, dropped-record count and fit as one device (with
 materialized and ghost clipping, a batch of 30 records padded to 32 slots, data sharded by rows),
 and each device does about a quarter of the per-record work (flops of the compiled per-device
-program). The 4 devices share this machine's cores: these tests check results and flop counts, not
+program). Data placed where the split step cannot take it (on a device outside the mesh, committed to
+part of it, split by columns or over another axis) and records the devices cannot share evenly get
+d3pext errors. The 4 devices share this machine's cores: these tests check results and flop counts, not
 speed (``benchmarks/bench_data_parallel.py`` times it).
 """
 
@@ -84,6 +86,14 @@ def four_devices() -> dict:
         four.mesh, four._steps, four._chunks = mesh, {}, {}
         params = one.optim.get_params(state.optim_state)
         out = {}
+        # misplaced data is refused by update and run too, before anything is traced
+        for name, call in (("update", lambda a: four.update(state, a, y)),
+                           ("run", lambda a: four.run(None, 1, a, y, init_state=state, progress_bar=False))):
+            try:
+                call(jax.device_put(x, jax.devices()[0]))
+                out[f"misplaced {name}"] = "accepted"
+            except ValueError as e:
+                out[f"misplaced {name}"] = str(e)
         for clipping in ("materialize", "ghost"):
             one.clipping = four.clipping = clipping
             f1 = jax.jit(lambda p, a: one._private_grad(p, jax.random.key(7), a, {}, True))
@@ -141,6 +151,59 @@ def _logistic(x, y):
     with numpyro.plate("data", x.shape[0], subsample_size=10):
         xb, yb = numpyro.subsample(x, event_dim=0), numpyro.subsample(y, event_dim=0)
         numpyro.sample("y", dist.Bernoulli(logits=xb + b), obs=yb)
+
+
+MISPLACED = """
+    from d3pext.training.parallel import check_data, process_slice, shard_records
+    two = Mesh(np.array(jax.devices()[:2]), ("data",))
+    grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    cases = {
+        "outside": (two, jax.device_put(x, jax.devices()[3])),
+        "part": (mesh, jax.device_put(x, jax.devices()[0])),
+        "columns": (mesh, jax.device_put(x, NamedSharding(mesh, P(None, "data")))),
+        "other axis": (grid, jax.device_put(x, NamedSharding(grid, P("model")))),
+    }
+    out = {}
+    for name, (m, xs) in cases.items():
+        try:
+            new_svi(mesh=m).init(jax.random.key(1), xs, y)
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
+    # what may pass: rows over the data axis, replicated, uncommitted, host arrays
+    for m, spec in ((mesh, P("data")), (mesh, P()), (grid, P("data")), (grid, P()), (two, P("data"))):
+        check_data((jax.device_put(x, NamedSharding(m, spec)), y, np.asarray(x)), m, "data")
+    check_data({"x": jax.device_put(x, jax.devices()[0])}, Mesh(np.array(jax.devices()[:1]), ("data",)), "data")
+    for name, call in (("indivisible", lambda: process_slice(402, mesh)),
+                       ("uneven rows", lambda: shard_records((x[:6], y[:6]), mesh))):
+        try:
+            call()
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
+    xs, ys = shard_records((x[process_slice(N, mesh)], y), mesh)
+    out["sharded"] = [str(xs.sharding.spec), list(xs.shape), bool((np.asarray(xs) == np.asarray(x)).all())]
+"""
+
+
+def test_misplaced_data_is_refused_clearly():
+    """Data the split step cannot take as placed gets a d3pext error naming the argument and the fix,
+    at init (and at update/run, which check the same way), before anything is traced."""
+    out = _run(MISPLACED + "    print(json.dumps(out))\n", timeout=600)
+    assert "data argument [0] is on [CpuDevice(id=3)], outside the mesh" in out["outside"], out
+    assert "committed to [CpuDevice(id=0)], only part of the mesh's 4 devices" in out["part"], out
+    assert "split as P(None, 'data')" in out["columns"], out
+    assert "split as P('model',)" in out["other axis"] and "'data'" in out["other axis"], out
+    for name in ("outside", "part", "columns", "other axis"):
+        assert "jax.device_put(x, NamedSharding(mesh, P('data')))" in out[name], out
+    assert "402 records cannot be split by rows over the 4 devices" in out["indivisible"], out
+    assert "holds 6 rows of data argument [0] (shape (6, 8)) for its 4 device(s)" in out["uneven rows"], out
+    assert out["sharded"] == ["P('data',)", [400, 8], True], out
+
+
+def test_misplaced_data_is_refused_by_update_and_run(four_devices):
+    for name in ("update", "run"):
+        assert "committed to [CpuDevice(id=0)], only part of the mesh's 4 devices" in four_devices[f"misplaced {name}"]
 
 
 def test_mesh_misuse_is_refused_clearly():

@@ -2,6 +2,10 @@
 importance-sampling reference; the linear-regression model's statistic and sensitivity."""
 
 import itertools
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -122,19 +126,68 @@ def test_bad_release_and_unsimulable_model():
         post.run(random.key(0), 10)
 
 
+# -- simulation rounds over several devices ---------------------------------------------------
+
+
+def test_simulation_round_over_four_devices_matches_one():
+    # a round's simulations (from the prior and from given parameters) and RQMC releases, split
+    # over 4 forced CPU devices (10 rows, padded to 12), equal those of one device for the same keys
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax import random
+        import numpyro, numpyro.distributions as dist
+        from d3pext.handlers import private_posterior, privatize
+        from d3pext.releases.mechanisms import LaplaceMechanism
+        from d3pext.simulation.sbi import Simulator
+        assert len(jax.devices()) == 4, jax.devices()
+
+        def model(n):
+            mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+            sd = numpyro.sample("sd", dist.HalfNormal(1.0))
+            with numpyro.plate("records", n):
+                numpyro.sample("x", dist.Normal(mu, sd))
+
+        clip = lambda x: jnp.clip(x, -1, 1)
+        private = privatize(model, site="x", mechanism=LaplaceMechanism(1.0, sensitivity=2.0),
+                            statistic=lambda x: jnp.stack([clip(x).sum(), jnp.abs(clip(x)).sum()]))
+        data = {"x_dp": jnp.array([3.0, 10.0])}
+        out, used = {}, {}
+        for name, devices in (("four", None), ("one", jax.devices()[:1])):
+            post = private_posterior(private, data, method="sppe", devices=devices)
+            sim = Simulator(private, data, (20,), devices=post.devices)
+            assert len(sim.devices) == (4 if devices is None else 1)
+            inner = sim._simulate_given
+            def spy(keys, z, inner=inner, name=name):
+                res = inner(keys, z)
+                used[name] = (keys.shape[0], len(res[1].sharding.device_set))
+                return res
+            sim._simulate_given = spy
+            z, stat = sim.simulate(random.key(0), 10)
+            z2, stat2 = sim.simulate(random.key(1), 10, z + 0.5)
+            s = sim.release_points(random.key(2), stat, 4)
+            assert s.shape == (10, 4, 2)
+            out[name] = [np.asarray(a) for a in (z, stat, z2, stat2, s)]
+        assert used == {"four": (12, 4), "one": (10, 1)}, used
+        print(all(np.array_equal(a, b) for a, b in zip(out["four"], out["one"])))
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split()[-1] == "True"
+
+
 # -- SPPE, fast twin -----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def tiny_sppe():
-    model = private_linear_regression(100, 10.0, sensitivity=0.13)
-    # one round (maximum likelihood); the atomic loss of later rounds is checked directly below
-    post = private_posterior(
-        model, S_OBS, method="sppe", rounds=1, simulations_per_round=420, num_points=4,
-        max_epochs=40, learning_rate=5e-3, flow_kwargs=dict(layers=2, width=8, knots=4),
-        progress_bar=False,
-    )
-    return post.run(random.key(0), 100)
+    # one round (maximum likelihood); the atomic loss of later rounds is checked directly below.
+    # Shared with test_arviz.py (one fit per process).
+    from sbi_fits import tiny_sppe
+
+    return tiny_sppe()
 
 
 def test_sppe_tiny_run(tiny_sppe):
@@ -162,6 +215,8 @@ def test_sppe_log_prob_is_normalized(tiny_sppe):
 
 
 def test_atomic_loss_matches_its_formula(tiny_sppe):
+    import equinox as eqx
+
     from d3pext.simulation.sbi import _make_atomic_loss
 
     flow = tiny_sppe.flow
@@ -170,11 +225,17 @@ def test_atomic_loss_matches_its_formula(tiny_sppe):
     batch = {"z": random.normal(k1, (B, 3)), "s": random.normal(k2, (B, M, 9)),
              "logp": random.normal(k3, (B,))}
     # with num_atoms = B every other example is an atom: the loss is deterministic
-    got = _make_atomic_loss(B)(flow, batch, random.key(0))
-    # log q(theta_k | s_ij) for every example i, release point j and atom k, in one call
     z_all = jnp.broadcast_to(batch["z"][None, None], (B, M, B, 3)).reshape(-1, 3)
     s_all = jnp.broadcast_to(batch["s"][:, :, None], (B, M, B, 9)).reshape(-1, 9)
-    lq = np.asarray(flow.log_prob(z_all, s_all)).reshape(B, M, B)
+
+    # one compiled call (eagerly, flowjax compiles its layer scan again for every operation):
+    # the loss, and log q(theta_k | s_ij) for every example i, release point j and atom k
+    @eqx.filter_jit
+    def both(flow, batch, z_all, s_all):
+        return _make_atomic_loss(B)(flow, batch, random.key(0)), flow.log_prob(z_all, s_all)
+
+    got, lq = both(flow, batch, z_all, s_all)
+    lq = np.asarray(lq).reshape(B, M, B)
     logits = lq - np.asarray(batch["logp"])[None, None, :]
     own = logits[np.arange(B), :, np.arange(B)]  # (B, M): theta_i with its own releases
     log_norm = np.log(np.exp(logits).sum(-1))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import lru_cache, partial
-import math
 import warnings
 
 import numpy as np
@@ -84,21 +83,18 @@ def _to_uniform(k: jax.Array, dtype) -> jax.Array:
     return ((k >> (32 - bits)).astype(dtype) + 0.5) * dtype.type(2.0 ** (-bits))
 
 
-def _scramble_one(key: jax.Array, digits: jax.Array) -> jax.Array:
-    """Linear matrix scramble plus digital shift of ``digits`` (M, r), uint32."""
-    dim = digits.shape[1]
-    key_matrix, key_shift = random.split(key)
+def _scramble(raw: jax.Array, digits: jax.Array) -> jax.Array:
+    """Linear matrix scramble plus digital shift of ``digits`` (M, r), uint32, one per leading
+    index of ``raw`` (..., r, 33): random bits, 32 for the matrix's columns and one shift word."""
     # column l of the lower-triangular binary matrix (digit l = bit 31 - l): unit diagonal,
     # random entries below it (less significant bits)
     pos = jnp.arange(31, -1, -1, dtype=jnp.uint32)
     diag = jnp.left_shift(jnp.uint32(1), pos)
-    below = random.bits(key_matrix, (dim, 32), jnp.uint32) & (diag - jnp.uint32(1))
-    columns = diag | below  # (r, 32)
+    columns = diag | (raw[..., :32] & (diag - jnp.uint32(1)))  # (..., r, 32)
     bits = (digits[..., None] >> pos) & jnp.uint32(1)  # (M, r, 32)
-    terms = jnp.where(bits == 1, columns, jnp.uint32(0))
-    scrambled = lax.reduce(terms, np.uint32(0), lax.bitwise_xor, (2,))
-    shift = random.bits(key_shift, (dim,), jnp.uint32)
-    return scrambled ^ shift
+    terms = jnp.where(bits == 1, columns[..., None, :, :], jnp.uint32(0))  # (..., M, r, 32)
+    scrambled = lax.reduce(terms, np.uint32(0), lax.bitwise_xor, (terms.ndim - 1,))
+    return scrambled ^ raw[..., None, :, 32]
 
 
 def scrambled_sobol(
@@ -123,9 +119,10 @@ def scrambled_sobol(
 
 @partial(jax.jit, static_argnums=(2, 3))
 def _scrambled(rng_key, digits, shape, dtype):
-    keys = random.split(rng_key, math.prod(shape)) if shape else rng_key[None]
-    ints = jax.vmap(lambda k: _scramble_one(k, digits))(keys)
-    return _to_uniform(ints, dtype).reshape(*shape, *digits.shape)
+    # all the random bits in one call (one threefry, not one per point set: 10x faster to
+    # compile); with JAX's partitionable threefry, row i does not depend on the number of rows
+    raw = random.bits(rng_key, (*shape, digits.shape[1], 33), jnp.uint32)
+    return _to_uniform(_scramble(raw, digits), dtype)
 
 
 def mc_uniforms(

@@ -30,7 +30,7 @@ Use it through the front door::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 import time
 from typing import Any
@@ -43,6 +43,7 @@ from jax import lax, random
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from numpyro.distributions import biject_to
 from numpyro.handlers import condition, seed, substitute, trace
@@ -67,6 +68,10 @@ class Simulator:
     :param data: ``{release site: observed value}``.
     :param parameters: the latent sites to infer (default: every latent sample site that is
         neither a confidential source of a release nor a release).
+    :param devices: devices over which a batch of simulations (and of RQMC releases) is split,
+        along a one-dimensional mesh (default: all local devices; ``devices=jax.devices()[:1]``
+        keeps one). The batch is padded to a multiple of the device count and the padding
+        dropped: the results do not depend on the number of devices.
 
     >>> import jax.numpy as jnp
     >>> from jax import random
@@ -85,7 +90,15 @@ class Simulator:
         model_args: tuple = (),
         model_kwargs: dict | None = None,
         parameters: tuple[str, ...] | None = None,
+        devices: Sequence[jax.Device] | None = None,
     ) -> None:
+        self.devices = tuple(jax.local_devices() if devices is None else devices)
+        if not self.devices:
+            raise ValueError("devices must name at least one device.")
+        self._sharding = (
+            NamedSharding(Mesh(np.asarray(self.devices), ("batch",)), PartitionSpec("batch"))
+            if len(self.devices) > 1 else None
+        )
         self.model_args = tuple(model_args)
         self.model_kwargs = dict(model_kwargs or {})
         given = {**conditioned_releases(model), **dict(data or {})}
@@ -218,19 +231,34 @@ class Simulator:
         )
         return ravel_pytree(u)[0], stat
 
+    def _over_devices(self, fn: Callable, *batch: jax.Array):
+        """``fn(*batch)`` with the leading axis of ``batch`` split over :attr:`devices`: padded
+        (by repeating rows) to a multiple of the device count, the padding dropped."""
+        if self._sharding is None:
+            return fn(*batch)
+        num = batch[0].shape[0]
+        rows = jnp.arange(num + (-num % len(self.devices))) % num
+        out = fn(*jax.device_put([b[rows] for b in batch], self._sharding))
+        # back on one device, so that later (unsharded) computations mix freely with it
+        return jax.device_put(jax.tree.map(lambda o: o[:num], out), self.devices[0])
+
     def simulate(self, rng_key: jax.Array, num: int, z: jax.Array | None = None):
         """``num`` forward runs: unconstrained parameters ``(num, dim)`` (drawn from the prior,
-        or the given ``z``) and confidential statistics ``(num, release_dim)``."""
+        or the given ``z``) and confidential statistics ``(num, release_dim)``, split over
+        :attr:`devices`."""
         keys = random.split(rng_key, num)
         if z is None:
-            return self._simulate_prior(keys)
-        return self._simulate_given(keys, jnp.asarray(z))
+            return self._over_devices(self._simulate_prior, keys)
+        return self._over_devices(self._simulate_given, keys, jnp.asarray(z))
 
     def release_points(
         self, rng_key: jax.Array, stat: jax.Array, num_points: int, method: str = "rqmc"
     ) -> jax.Array:
-        """``num_points`` releases of each statistic: ``(num, num_points, release_dim)``."""
-        key = (num_points, method, stat.shape)
+        """``num_points`` releases of each statistic: ``(num, num_points, release_dim)``, split
+        over :attr:`devices`. With RQMC or MC (mechanisms with an inverse CDF) row ``i`` does not
+        depend on the number of rows (JAX's threefry is partitionable, and each release's uniforms
+        come from one call for all rows), so the padding leaves the results unchanged."""
+        key = (num_points, method)
         if key not in self._noisy:
             def noisy(k, stat):
                 parts = []
@@ -245,7 +273,8 @@ class Simulator:
                 return jnp.concatenate(parts, -1)
 
             self._noisy[key] = jax.jit(noisy)
-        return self._noisy[key](rng_key, stat)
+        fn = self._noisy[key]
+        return self._over_devices(lambda s: fn(rng_key, s), jnp.asarray(stat))
 
 
 def _statistic_of(msg: dict):
@@ -283,6 +312,8 @@ class SequentialEstimator:
     :param learning_rate, weight_decay, batch_size, patience, max_epochs: training (paper S3).
     :param parameters: latent sites to infer (default: all but the confidential data).
     :param bool progress_bar: bars over rounds and epochs.
+    :param devices: devices over which each round's simulations and RQMC releases are split
+        (default: all local devices; ``jax.devices()[:1]`` for one); same results for the same key.
     """
 
     method = ""
@@ -308,6 +339,7 @@ class SequentialEstimator:
         num_warmup: int = 300,
         num_samples: int = 1000,
         num_chains: int = 4,
+        devices: Sequence[jax.Device] | None = None,
         **unused: Any,
     ) -> None:
         unused.pop("chain_method", None)
@@ -337,6 +369,7 @@ class SequentialEstimator:
         self.train_kwargs = dict(learning_rate=learning_rate, weight_decay=weight_decay,
                                  batch_size=self.batch_size, patience=patience, max_epochs=max_epochs)
         self.parameters = parameters
+        self.devices = None if devices is None else tuple(devices)
         self.progress_bar = progress_bar
         self.num_warmup = check_int("num_warmup", num_warmup, 0)
         self.num_samples = check_int("num_samples", num_samples)
@@ -345,11 +378,14 @@ class SequentialEstimator:
         self.simulator: Simulator | None = None
         self.flow = None
         self.scaler: _Scaler | None = None
+        self._compiled: dict = {}
 
     # subclasses: _make_flow, _losses, _propose, _round_summary
     def run(self, rng_key: jax.Array, *model_args: Any, **model_kwargs: Any) -> "SequentialEstimator":
         """Run the ``R`` rounds of simulation and training; returns ``self``."""
-        self.simulator = sim = Simulator(self.model, self.data, model_args, model_kwargs, self.parameters)
+        self.simulator = sim = Simulator(self.model, self.data, model_args, model_kwargs,
+                                         self.parameters, self.devices)
+        self._compiled = {}
         if self.integration == "rqmc":
             for info in sim.releases.values():
                 if not rqmc.has_inverse_cdf(info.mechanism):
@@ -567,14 +603,25 @@ class SPPE(SequentialEstimator):
         return zs * self.scaler.theta_std + self.scaler.theta_mean
 
     def log_prob(self, params: Mapping[str, Any]) -> jax.Array:
-        """Log posterior density of a batch of draws ``{site: (n, ...)}`` (constrained space)."""
+        """Log posterior density of a batch of draws ``{site: (n, ...)}`` (constrained space);
+        compiled once per batch shape."""
         self._check_run()
-        z = self._unconstrain_batch(params)
+        if "log_prob" not in self._compiled:
+            import equinox as eqx
+
+            sim = self.simulator
+
+            @eqx.filter_jit
+            def log_prob(flow, params, theta_mean, theta_std, observed):
+                z = jax.vmap(sim.unconstrain)(params)
+                cond = jnp.broadcast_to(observed, (z.shape[0], observed.shape[0]))
+                lq = flow.log_prob((z - theta_mean) / theta_std, cond) - jnp.sum(jnp.log(theta_std))
+                return lq - jax.vmap(sim.log_abs_det_jacobian)(z)
+
+            self._compiled["log_prob"] = log_prob
         sc = self.scaler
-        zs = (z - sc.theta_mean) / sc.theta_std
-        cond = jnp.broadcast_to(self.observed_standardized, (z.shape[0], self.simulator.release_dim))
-        lq = _jitted("log_prob")(self.flow, zs, cond) - jnp.sum(jnp.log(sc.theta_std))
-        return lq - jax.vmap(self.simulator.log_abs_det_jacobian)(z)
+        return self._compiled["log_prob"](self.flow, dict(params), sc.theta_mean, sc.theta_std,
+                                          self.observed_standardized)
 
 
 def _sppe_mle_loss(flow, batch, key):

@@ -8,6 +8,8 @@
   inputs and output gradients;
 - :mod:`~d3pext.training.minibatch`: Feistel fixed-size and Poisson minibatch samplers, each with
   the neighbouring relation its accountant assumes;
+- :mod:`~d3pext.training.streaming`: ``MemmapBatches`` and ``fit_streaming``, DP-VI on data
+  larger than memory: each step's rows read from memory-mapped ``.npy`` files by a prefetch thread;
 - :mod:`~d3pext.training.checkpoint`: ``save_fit`` and ``load_fit``, the fitted parameters with
   their privacy report in one ``.npz`` file (no pickle), e.g.
   ``save_fit("fit.npz", result.params, result.privacy)``, then
@@ -16,13 +18,20 @@
 The secure random numbers (ChaCha20) are :mod:`d3pext.prng`, shared with the releases.
 """
 
-__all__ = ["SavedFit", "load_fit", "save_fit"]
+_LAZY = {
+    "SavedFit": "checkpoint",
+    "load_fit": "checkpoint",
+    "save_fit": "checkpoint",
+    "MemmapBatches": "streaming",
+    "fit_streaming": "streaming",
+}
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
     # lazy, so that importing one training module does not load the others
-    if name in __all__:
-        from d3pext.training import checkpoint
+    if name in _LAZY:
+        import importlib
 
-        return getattr(checkpoint, name)
+        return getattr(importlib.import_module(f"d3pext.training.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

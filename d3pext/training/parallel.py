@@ -21,6 +21,12 @@ from their owners (XLA partitions the gather: each device picks the rows it hold
 are exchanged; only batch rows move, never the full data), and each device then works on copies of
 its own records, as on one device.
 
+Several hosts (``jax.distributed``): every process runs the same script; each loads only its own
+rows of the data (:func:`process_slice` says which) and :func:`shard_records` assembles the global,
+row-sharded array from them (``jax.make_array_from_process_local_data``). The fit is then the
+one-process fit, as above. Data placed where a step over the mesh cannot take it (on a device outside
+the mesh, or split otherwise than by rows over the data axis) is refused by :func:`check_data`.
+
 >>> import jax, jax.numpy as jnp
 >>> from jax.sharding import Mesh
 >>> mesh = Mesh(jax.devices()[:1], ("data",))
@@ -40,7 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-__all__ = ["check_mesh", "communication", "data_parallel_clipped_sum", "padded_size"]
+__all__ = [
+    "check_data", "check_mesh", "communication", "data_parallel_clipped_sum", "padded_size", "process_slice",
+    "shard_records",
+]
 
 
 def check_mesh(mesh: Any, axis: Any) -> int:
@@ -61,6 +70,154 @@ def check_mesh(mesh: Any, axis: Any) -> int:
             f"name one with data_axis=..."
         )
     return int(mesh.shape[axis])
+
+
+def _where(name: str) -> str:
+    return f"data argument {name}" if name else "the data"
+
+
+def check_data(data: Any, mesh: Mesh, axis: str = "data") -> None:
+    """Refuse data that a step split over the ``axis`` devices of ``mesh`` cannot take as placed.
+
+    Each array of ``data`` (a pytree; NumPy arrays, uncommitted JAX arrays and tracers pass) must be
+    either replicated over the mesh or split by rows over ``axis`` (``NamedSharding(mesh, P(axis))``,
+    as :func:`shard_records` builds it). Raises :class:`ValueError` naming the argument for an array on
+    a device outside the mesh, committed to some of its devices only, or split another way (by columns,
+    over another axis).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(jax.devices()[:1], ("data",))
+    >>> check_data((jax.device_put(jnp.ones((4, 2)), NamedSharding(mesh, P("data"))), jnp.zeros(4)), mesh)
+    """
+    check_mesh(mesh, axis)
+    devices = set(mesh.devices.flat)
+    rows, whole = NamedSharding(mesh, P(axis)), NamedSharding(mesh, P())
+    fix = (
+        f"place it on the mesh: jax.device_put(x, NamedSharding(mesh, P({axis!r}))) to split the records by rows "
+        "(several processes: d3pext.training.parallel.shard_records), or NamedSharding(mesh, P()) to replicate it"
+    )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(data):
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer) or not leaf.committed:
+            continue
+        name, sharding = jax.tree_util.keystr(path), leaf.sharding
+        outside = sharding.device_set - devices
+        if outside:
+            raise ValueError(
+                f"{_where(name)} is on {sorted(outside, key=lambda d: d.id)}, outside the mesh given to DPSVI "
+                f"(its devices: {sorted(devices, key=lambda d: d.id)}): {fix}"
+            )
+        if leaf.ndim == 0 or sharding.is_equivalent_to(whole, leaf.ndim) or sharding.is_equivalent_to(rows, leaf.ndim):
+            continue
+        if sharding.device_set != devices:
+            raise ValueError(
+                f"{_where(name)} is committed to {sorted(sharding.device_set, key=lambda d: d.id)}, only part of the "
+                f"mesh's {len(devices)} devices: {fix}"
+            )
+        spec = getattr(sharding, "spec", sharding)
+        raise ValueError(
+            f"{_where(name)} of shape {leaf.shape} is split as {spec}, but DPSVI splits the records by rows over the "
+            f"mesh axis {axis!r} (mesh axes {dict(mesh.shape)}): {fix}"
+        )
+
+
+def _local_blocks(mesh: Mesh, axis: str) -> list[int]:
+    """This process's positions along ``axis`` (those of its devices), in order."""
+    where = mesh.axis_names.index(axis)
+    me = jax.process_index()
+    return sorted({int(np.unravel_index(i, mesh.devices.shape)[where])
+                   for i, d in enumerate(mesh.devices.flat) if d.process_index == me})
+
+
+def process_slice(num_records: int, mesh: Mesh, axis: str = "data") -> slice:
+    """The rows of ``num_records`` that this process holds when they are split by rows over the
+    ``axis`` devices of ``mesh``: what it loads and passes to :func:`shard_records`.
+
+    With ``Mesh(jax.devices(), ("data",))`` over ``P`` processes of equal device counts, process ``p``
+    holds rows ``p N / P`` to ``(p + 1) N / P``. Raises :class:`ValueError` if ``num_records`` is not a
+    multiple of the axis size ``D`` (each device holds ``N / D`` rows: drop ``N mod D`` records before
+    sharding, and state the new ``N``, or keep the data replicated), or if this process's rows are not
+    contiguous (order the mesh's devices by process, as ``jax.make_mesh`` does).
+
+    >>> import jax
+    >>> from jax.sharding import Mesh
+    >>> process_slice(1000, Mesh(jax.devices()[:1], ("data",)))
+    slice(0, 1000, None)
+    """
+    size = check_mesh(mesh, axis)
+    if int(num_records) != num_records or num_records < 1:
+        raise ValueError(f"num_records must be a positive integer, got {num_records!r}")
+    if num_records % size:
+        raise ValueError(
+            f"{num_records} records cannot be split by rows over the {size} devices of mesh axis {axis!r} "
+            f"({num_records} mod {size} = {num_records % size}): each device holds the same number of rows. Drop "
+            f"{num_records % size} records (N is then {num_records - num_records % size}: the accountant's sampling "
+            "rate uses it), or keep the data replicated (the batch is split over the devices all the same)"
+        )
+    per_device = num_records // size
+    blocks = _local_blocks(mesh, axis)
+    if not blocks:
+        raise ValueError(f"process {jax.process_index()} has no device on the mesh: every process needs one")
+    if blocks != list(range(blocks[0], blocks[0] + len(blocks))):
+        raise ValueError(
+            f"process {jax.process_index()} holds the non-contiguous positions {blocks} of mesh axis {axis!r}: order "
+            "the mesh's devices by process (jax.make_mesh or Mesh(jax.devices(), ...) does) so that each process "
+            "loads one contiguous slice of the records"
+        )
+    return slice(blocks[0] * per_device, (blocks[-1] + 1) * per_device)
+
+
+def shard_records(local: Any, mesh: Mesh, axis: str = "data") -> Any:
+    """The global data, split by rows over the ``axis`` devices of ``mesh``, from the rows this
+    process holds (every process calls it, with its own rows; a pytree of arrays or one array).
+
+    Process ``p`` passes rows :func:`process_slice` ``(N, mesh, axis)`` of each array (on one process,
+    all of them); the result is ``jax.make_array_from_process_local_data(NamedSharding(mesh, P(axis)),
+    local)``, the array of all ``N`` rows that ``DPSVI(..., mesh=mesh, data_axis=axis)`` takes. Checked
+    first, across processes, with clear errors: each process holds the same number of rows per device
+    of the axis (so ``N`` is a multiple of the axis size), with the same trailing shape.
+
+    >>> import jax, numpy as np
+    >>> from jax.sharding import Mesh
+    >>> mesh = Mesh(jax.devices()[:1], ("data",))
+    >>> x = np.arange(12.0).reshape(6, 2)[process_slice(6, mesh)]   # this process's rows
+    >>> shard_records(x, mesh).shape
+    (6, 2)
+    """
+    size = check_mesh(mesh, axis)
+    blocks = len(_local_blocks(mesh, axis))
+    if not blocks:
+        raise ValueError(f"process {jax.process_index()} has no device on the mesh: every process needs one")
+    leaves, treedef = jax.tree.flatten(local)
+    shapes = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(local):
+        shape = np.shape(leaf)
+        if not shape or shape[0] % blocks:
+            raise ValueError(
+                f"process {jax.process_index()} holds {shape[0] if shape else 'no'} rows of {_where(jax.tree_util.keystr(path))} "
+                f"(shape {shape}) for its {blocks} device(s) of mesh axis {axis!r}: each device holds the same number "
+                f"of rows, so give each process a multiple of {blocks} rows (its process_slice(N, mesh))"
+            )
+        shapes.append((shape[0] // blocks,) + shape[1:])
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        width = max((len(s) for s in shapes), default=0) + 1
+        mine = np.array([[len(s), *s, *[0] * (width - 1 - len(s))] for s in shapes], np.int64).reshape(len(shapes), width)
+        every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, leaves, width)
+        for i, leaf_shapes in enumerate(np.swapaxes(every, 0, 1)):
+            if (leaf_shapes != leaf_shapes[0]).any():
+                described = [f"process {p}: {tuple(int(v) for v in row[1:1 + row[0]])}" for p, row in enumerate(leaf_shapes)]
+                raise ValueError(
+                    f"the processes hold rows of different shapes for leaf {i} of the data (rows per device of axis "
+                    f"{axis!r}, then the trailing shape): {'; '.join(described)}. Each device of the axis holds "
+                    "N / D rows: load each process's process_slice(N, mesh)"
+                )
+    sharding = NamedSharding(mesh, P(axis))
+    arrays = [
+        jax.make_array_from_process_local_data(sharding, leaf, (s[0] * size,) + s[1:]) for leaf, s in zip(leaves, shapes)
+    ]
+    return jax.tree.unflatten(treedef, arrays)
 
 
 def padded_size(batch_size: int, num_devices: int) -> int:

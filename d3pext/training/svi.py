@@ -41,10 +41,14 @@ from d3pext.accountants import Relation
 from d3pext.training.clipping import CLIPPED_SUMS, choose_clipping
 from d3pext.training.dependence import dependent_outputs
 from d3pext.training.minibatch import FixedSizeSampler, PoissonSampler
-from d3pext.training.parallel import check_mesh, data_parallel_clipped_sum
+from d3pext.training.parallel import check_data, check_mesh, data_parallel_clipped_sum
 from d3pext.prng import secure_key, threefry_key
 
 __all__ = ["DPSVI", "DPSVIState", "DPSVIRunResult", "PrivacyReport"]
+
+CHUNK_STEPS = 128
+"""Steps per compiled call of ``DPSVI.run``: one program of this size serves every number of steps
+(a call runs as many of them as asked), and the per-call dispatch is small beside 128 steps."""
 
 
 class DPSVIState(NamedTuple):
@@ -264,8 +268,11 @@ class DPSVI(SVI):
         all-reduce of the parameters' size per step. The sampler, the noise (drawn once, from the same key)
         and the accountant are those of one device, so a key gives the same fit up to float rounding.
         The data may be sharded by rows over ``data_axis`` (``jax.device_put(x, NamedSharding(mesh,
-        P("data")))``); in plate mode only the batch's rows then move between devices. Other mesh axes
-        replicate the work. ``None`` (default): no explicit split (the batch is computed where XLA puts it).
+        P("data")))``); in plate mode only the batch's rows then move between devices. Data on devices
+        outside the mesh, or split otherwise (by columns, over another axis), is refused. Several hosts
+        (``jax.distributed``): each loads its rows and builds the global array with
+        :func:`~d3pext.training.parallel.shard_records`. Other mesh axes replicate the work. ``None``
+        (default): no explicit split (the batch is computed where XLA puts it).
     :param data_axis: the name of the mesh axis the records are split over.
 
     **Example**
@@ -372,6 +379,7 @@ class DPSVI(SVI):
         self.sampler = None
         self._steps = {}
         self._chunks = {}
+        self._isolation_checks = {}
 
     # ------------------------------------------------------------------ structure and privacy
 
@@ -673,16 +681,19 @@ class DPSVI(SVI):
             return
         dyn, static = _split_kwargs(kwargs)
         last = self.structure.num_records - 1
+        losses = self._isolation_checks.get(static)
+        if losses is None:  # one compiled check per structure: op-by-op it costs seconds of dispatch
 
-        @jax.jit  # one compiled check: op-by-op it costs seconds of dispatch
-        def losses(params, key, args, dyn):
-            kw = {**dyn, **dict(static)}
-            records = (jnp.array([0, last]), jnp.zeros(2, jnp.int32))
-            per_record = lambda isolate: jax.vmap(
-                lambda r: self._record_loss(params, key, args, kw, r, isolate=isolate)
-            )(records)
-            return per_record(True), per_record(False)
+            @jax.jit
+            def losses(params, key, args, dyn):
+                kw = {**dyn, **dict(static)}
+                records = (jnp.array([0, last]), jnp.zeros(2, jnp.int32))
+                per_record = lambda isolate: jax.vmap(
+                    lambda r: self._record_loss(params, key, args, kw, r, isolate=isolate)
+                )(records)
+                return per_record(True), per_record(False)
 
+            self._isolation_checks[static] = losses
         own_losses, given_losses = losses(params, threefry_key(rng_key), args, dyn)
         for index, own, given in zip((0, last), own_losses, given_losses):
             if not bool(jnp.allclose(own, given, rtol=1e-4, atol=1e-5, equal_nan=True)):
@@ -700,6 +711,7 @@ class DPSVI(SVI):
         """Trace the model, find its data plate and sampling rate, calibrate sigma if a target was given."""
         kwargs.pop("mask", None)  # d3p's Poisson-batch mask is DPSVI's, not the model's (see update)
         _num_records(args)
+        self._check_placement(args, kwargs)
         if rng_key is None:
             rng_key = secure_key()
         elif not is_prng_key(rng_key):
@@ -707,11 +719,19 @@ class DPSVI(SVI):
                 f"rng_key must be a JAX PRNG key such as jax.random.key(0) (or None for a secure key from OS "
                 f"entropy), got {type(rng_key).__name__} {rng_key!r}"
             )
+        # NumPyro draws the plates' random subsamples while it traces for the parameters; DPSVI draws its
+        # batches itself, and tracing with the first indices compiles nothing (NumPyro's CPU subsample is
+        # an eager scan, compiled again on every init)
+        model, guide = self.model, self.guide
+        self.model, self.guide = _FirstIndices(model), _FirstIndices(guide)
         try:
             state = super().init(rng_key, *args, init_params=init_params, **kwargs)
         except Exception as error:
+            self.model, self.guide = model, guide
             self._diagnose(rng_key, args, kwargs, error)
             raise
+        finally:
+            self.model, self.guide = model, guide
         init_key = random.fold_in(state.rng_key, 1)
         params = self.constrain_fn(self.optim.get_params(state.optim_state))
         kw = {**kwargs, **self.static_kwargs}
@@ -723,6 +743,7 @@ class DPSVI(SVI):
         if (structure, sampler) != (self.structure, self.sampler):
             self._steps.clear()  # compiled steps hold the structure, the sampler and sigma
             self._chunks.clear()
+            self._isolation_checks.clear()
             self.structure, self.sampler = structure, sampler
             if self.target_epsilon is not None:
                 self.dp_scale = None
@@ -814,6 +835,13 @@ class DPSVI(SVI):
         if self.structure is None:
             raise RuntimeError("call DPSVI.init before update")
 
+    def _check_placement(self, args, kwargs) -> None:
+        """With a mesh, refuse data placed where the split step cannot take it (a clear error
+        instead of XLA's): on devices outside the mesh or split otherwise than by rows over its data axis."""
+        if self.mesh is not None:
+            check_data(args, self.mesh, self.data_axis)
+            check_data(kwargs, self.mesh, self.data_axis)
+
     def _check_plan(self, state: DPSVIState, num_steps: int) -> None:
         """Refuse steps beyond the planned ``num_steps`` for which sigma was calibrated."""
         if self.planned_steps is None or isinstance(state.num_steps, jax.core.Tracer):
@@ -862,6 +890,7 @@ class DPSVI(SVI):
         """
         self._check_ready()
         self._check_plan(svi_state, 1)
+        self._check_placement(args, kwargs)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
         return self._jitted_step(static, False)(svi_state, args, dyn, mask)
@@ -875,6 +904,7 @@ class DPSVI(SVI):
         """
         self._check_ready()
         self._check_plan(svi_state, 1)
+        self._check_placement(args, kwargs)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
         return self._jitted_step(static, True)(svi_state, args, dyn, mask)
@@ -904,6 +934,7 @@ class DPSVI(SVI):
             state = self.init(rng_key, *args, init_params=init_params, **{k: v for k, v in kwargs.items() if k != "mask"})
         else:
             self._check_ready()
+            self._check_placement(args, kwargs)
             state = init_state
         done = int(state.num_steps)
         self._check_plan(state, num_steps)
@@ -924,15 +955,21 @@ class DPSVI(SVI):
         try:
             for i in range(num_chunks):
                 length = int(bounds[i + 1] - bounds[i])
-                state, chunk_losses = chunk(state, args, dyn, mask, length)
-                losses.append(chunk_losses)
+                segment = []
+                for start in range(0, length, CHUNK_STEPS):
+                    count = min(CHUNK_STEPS, length - start)
+                    state, chunk_losses = chunk(state, args, dyn, mask, np.int32(count))
+                    segment.append((chunk_losses, count))
+                # on the host: slicing on the device would compile a program per new count
+                segment = [np.asarray(chunk_losses)[:count] for chunk_losses, count in segment]
+                losses.extend(segment)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{float(jnp.mean(chunk_losses)):.4g}", epsilon=f"{eps_curve[i]:.3g}")
+                    bar.set_postfix(loss=f"{np.mean(np.concatenate(segment)):.4g}", epsilon=f"{eps_curve[i]:.3g}")
                     bar.update(length)
         finally:
             if bar is not None:
                 bar.close()
-        losses = jnp.concatenate(losses)
+        losses = jax.device_put(np.concatenate(losses))  # (jnp.asarray compiles a program per new length)
         report = self._report(float(eps_curve[-1]), delta, done + num_steps)
         dropped = int(state.num_dropped)
         if dropped:
@@ -945,13 +982,22 @@ class DPSVI(SVI):
         return DPSVIRunResult(self.get_params(state), state, losses, report)
 
     def _jitted_chunk(self, static_kwargs: tuple, stable: bool):
-        """``length`` steps in one ``lax.scan``, compiled once per model structure and kept across runs."""
+        """Up to ``CHUNK_STEPS`` steps in one compiled loop, ``count`` of them run; compiled once per model
+        structure and kept across runs, whatever their numbers of steps."""
         key = (static_kwargs, stable)
         if key not in self._chunks:
             step = partial(self._step, static_kwargs=static_kwargs, stable=stable)
 
-            def chunk(state, args, dyn, mask, length):
-                return lax.scan(lambda s, _: step(s, args, dyn, mask), state, None, length=length)
+            def chunk(state, args, dyn, mask, count):
+                loss_shape = jax.eval_shape(step, state, args, dyn, mask)[1]
 
-            self._chunks[key] = jax.jit(chunk, static_argnums=4)
+                def body(i, carry):
+                    state, losses = carry
+                    state, loss = step(state, args, dyn, mask)
+                    return state, losses.at[i].set(loss)
+
+                losses = jnp.full((CHUNK_STEPS,), jnp.nan, loss_shape.dtype)
+                return lax.fori_loop(0, count, body, (state, losses))
+
+            self._chunks[key] = jax.jit(chunk)
         return self._chunks[key]

@@ -1,0 +1,142 @@
+"""Time to first result: compilation of DPSVI against NumPyro's SVI, first against repeated runs.
+
+    python benchmarks/bench_compile.py [--repeats 3] [--no-demo] [--json PATH]
+
+Every figure comes from a fresh Python process (nothing compiled in an earlier measurement is reused,
+the persistent compilation cache is off unless a row says otherwise), and the rows of one table are
+taken side by side in one run, alternating, so machine load affects them alike. Reported as medians
+over ``--repeats`` processes and as ratios:
+
+- ``init``: ``SVI.init`` against ``DPSVI.init`` (DPSVI also traces its structure, calibrates sigma
+  and runs its two privacy checks), same model, guide, data and optimizer;
+- ``first step``: the first ``update`` after ``init`` (compilation plus one step): ``jax.jit(svi.update)``
+  against ``dpsvi.update`` (which jits itself);
+- ``run``: ``run(key, 200 steps)`` on a new object, then again on the same object with a new key, then
+  on a second object with the same structure (SVI compiles every ``run``; DPSVI keeps its compiled
+  loop per object and model structure);
+- ``demo``: ``d3pext demo --repeats 1`` in a fresh process with an empty compilation-cache directory,
+  then again with the cache that the first one filled (``enable_compile_cache``).
+
+The model is the demo's: logistic regression with an intercept on the Breast Cancer data (455 records,
+31 weights), batch 200 (``d3pext.models.logistic_regression`` in plate mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import jax, jax.numpy as jnp, numpy as np, numpyro
+from numpyro.infer import SVI, Trace_ELBO
+from d3pext import DPSVI
+from d3pext.datasets import load_breast_cancer
+from d3pext.models import logistic_guide, logistic_regression
+
+kind = sys.argv[1]
+data = load_breast_cancer()
+x = jnp.asarray(np.hstack([data.x_train, np.ones((len(data.x_train), 1), np.float32)]))
+y = jnp.asarray(data.y_train, jnp.float32)
+optim = numpyro.optim.Adam(0.1)
+
+def make():
+    if kind == "svi":
+        return SVI(logistic_regression, logistic_guide, optim, Trace_ELBO())
+    return DPSVI(logistic_regression, logistic_guide, optim, Trace_ELBO(), clipping_threshold=1.0,
+                 epsilon=1.0, num_steps=200)
+
+def block(tree):
+    jax.block_until_ready(tree)
+    return time.perf_counter()
+
+out = {}
+key = jax.random.key(0)
+svi = make()
+start = time.perf_counter()
+state = svi.init(key, x, y, batch_size=200)
+out["init"] = block(state) - start
+update = jax.jit(svi.update, static_argnames=("batch_size",)) if kind == "svi" else svi.update
+start = time.perf_counter()
+state, loss = update(state, x, y, batch_size=200)
+out["first_step"] = block(loss) - start
+start = time.perf_counter()
+state, loss = update(state, x, y, batch_size=200)
+out["second_step"] = block(loss) - start
+
+runner = make()
+start = time.perf_counter()
+result = runner.run(jax.random.key(1), 200, x, y, batch_size=200, progress_bar=False)
+out["run_first"] = block(result.params) - start
+start = time.perf_counter()
+result = runner.run(jax.random.key(2), 200, x, y, batch_size=200, progress_bar=False)
+out["run_again"] = block(result.params) - start
+other = make()
+start = time.perf_counter()
+result = other.run(jax.random.key(3), 200, x, y, batch_size=200, progress_bar=False)
+out["run_new_object"] = block(result.params) - start
+print(json.dumps(out))
+"""
+
+
+def _child(kind: str) -> dict:
+    env = {**os.environ, "D3PEXT_NO_COMPILE_CACHE": "1", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    out = subprocess.run([sys.executable, "-c", CHILD, kind], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _demo(cache_dir: str) -> float:
+    env = {**os.environ, "D3PEXT_CACHE_DIR": cache_dir, "D3PEXT_NO_COMPILE_CACHE": "0"}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "d3pext", "demo", "--repeats", "1", "--seed", "0"], env=env,
+                   capture_output=True, text=True, check=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per row (default 3)")
+    parser.add_argument("--no-demo", action="store_true", help="skip the d3pext demo rows")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
+    args = parser.parse_args()
+
+    rows: dict[str, list[dict]] = {"svi": [], "dpsvi": []}
+    for _ in range(args.repeats):  # alternate, so that load drifts affect both alike
+        for kind in rows:
+            rows[kind].append(_child(kind))
+    med = {kind: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for kind, runs in rows.items()}
+    print(f"load average {os.getloadavg()[0]:.1f}, {args.repeats} fresh processes per figure (medians, seconds)")
+    print(f"{'':28s} {'SVI':>8s} {'DPSVI':>8s} {'DPSVI/SVI':>10s}")
+    for k in med["svi"]:
+        s, d = med["svi"][k], med["dpsvi"][k]
+        print(f"{k:28s} {s:8.2f} {d:8.2f} {d / s:9.2f}x")
+    for kind in rows:
+        m = med[kind]
+        print(f"{kind}: second run / first run {m['run_again'] / m['run_first']:.2f}x, "
+              f"new object / first run {m['run_new_object'] / m['run_first']:.2f}x")
+    figures = {"median": med, "raw": rows}
+
+    if not args.no_demo:
+        first, second = [], []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as cache:
+                first.append(_demo(cache))
+                second.append(_demo(cache))
+        f, s = statistics.median(first), statistics.median(second)
+        print(f"d3pext demo: first {f:.1f} s, second (warm compile cache) {s:.1f} s, ratio {s / f:.2f}x (target <= 0.35x)")
+        figures["demo"] = {"first": first, "second": second}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(figures, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""DPSVI compiles once per model structure: a second ``run``/``update``/``init`` with the same shapes
+and a new key compiles nothing (issue: time to first result is compilation)."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+from numpyro.infer import Trace_ELBO
+
+from d3pext import DPSVI
+
+
+@contextlib.contextmanager
+def compilations():
+    """The XLA compilations inside the block (one entry per program compiled)."""
+    names = []
+
+    def listener(name, *args, **kwargs):
+        if name.endswith("backend_compile_duration"):
+            names.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def model(x, batch_size=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=batch_size) as idx:
+        numpyro.sample("x", dist.Normal(mu, 1.0), obs=x[idx])
+
+
+def guide(x, batch_size=None):
+    loc = numpyro.param("loc", 0.0)
+    numpyro.sample("mu", dist.Normal(loc, 0.5))
+
+
+def make():
+    return DPSVI(model, guide, numpyro.optim.Adam(0.05), Trace_ELBO(), clipping_threshold=2.0, dp_scale=1.0)
+
+
+X = jnp.asarray(np.random.default_rng(0).normal(1.0, 1.0, 300), jnp.float32)
+
+
+def test_counter_sees_a_compilation():
+    # the listener must see a fresh program, or the tests below could not fail
+    with compilations() as compiled:
+        jax.jit(lambda v: jnp.sin(v) * 3.25 + 0.125)(jnp.arange(7.0)).block_until_ready()
+    assert compiled
+
+
+def test_second_run_compiles_nothing():
+    svi = make()
+    svi.run(jax.random.key(0), 30, X, batch_size=50, progress_bar=False)
+    with compilations() as compiled:
+        result = svi.run(jax.random.key(1), 30, X, batch_size=50, progress_bar=False)
+        jax.block_until_ready(result.params)
+    assert compiled == [], f"{len(compiled)} program(s) compiled again"
+    # and a different number of steps reuses the compiled step chunks too
+    with compilations() as compiled:
+        jax.block_until_ready(svi.run(jax.random.key(2), 45, X, batch_size=50, progress_bar=False).params)
+    assert compiled == [], f"{len(compiled)} program(s) compiled for a new number of steps"
+
+
+def test_update_and_init_compile_once():
+    svi = make()
+    state = svi.init(jax.random.key(0), X, batch_size=50)
+    state, loss = svi.update(state, X, batch_size=50)
+    jax.block_until_ready(loss)
+    with compilations() as compiled:
+        for _ in range(3):
+            state, loss = svi.update(state, X, batch_size=50)
+        jax.block_until_ready(loss)
+        state = svi.init(jax.random.key(5), X, batch_size=50)
+        state, loss = svi.update(state, X, batch_size=50)
+        jax.block_until_ready(loss)
+    assert compiled == [], f"{len(compiled)} program(s) compiled again"
