@@ -17,11 +17,16 @@ gives is an upper bound, and halving ``dx`` can only lower it. The PLD is Fourie
 raised to the power of each step count; many steps are composed in blocks of about ``sqrt(T)`` steps,
 each block discretised again (by connecting the dots, still an upper bound) on a grid about
 ``T^(1/4)`` times coarser, where the blocks are composed, so that neither grid needs more than a few
-``1e5`` points. A value is returned only after it has been checked:
+``1e5`` points. For small sampling rates one step's loss is a spike of width ~q near 0 next to rare
+values up to O(1): there the spike is discretised on the fine grid and the rare values on a coarse
+one, and the composition is expanded in the number of rare values per block (:class:`_SplitPLD`),
+so that no grid spans the rare values at the spike's resolution. A value is returned only after it
+has been checked:
 
 * the grid window holds the composed PLD: a Chernoff bound of the discretised PLD caps the mass
   that wraps around the circular convolution at ``1e-4 * delta`` (and is added to delta);
-* the mass that one step puts beyond the window is counted as an infinite loss;
+* the mass that one step puts beyond the window is counted as an infinite loss, and so is the
+  rounding noise of the FFTs (twice their negative mass);
 * halving the grid step changes the result by less than a relative ``1e-4``;
 * epsilon comes from exact inversion of the piecewise-smooth ``delta(epsilon)`` of the composed
   discrete PLD, not from Newton's method.
@@ -75,7 +80,8 @@ class AccountingError(RuntimeError):
 
 
 class SigmaResult(NamedTuple):
-    """Result of :func:`approximate_sigma`; unpacks as ``sigma, epsilon, num_evaluations``."""
+    """Result of :func:`approximate_sigma`; unpacks as ``sigma, epsilon, num_evaluations``
+    (``epsilon``: a certified upper bound at ``sigma``, at most the target)."""
 
     sigma: float
     epsilon: float
@@ -92,6 +98,11 @@ _MAX_WINDOW = 600.0  # exp(x) must stay finite on the window
 _DX_PER_STD = 2.0**-4  # first grid step, relative to the standard deviation of one step's loss
 _DX_COARSEST = 2.0**-4  # and at most this
 _DELTA_FLOOR = 1e-12  # delta() sizes its window for deltas down to this value
+# Bulk/tail split (small q).
+_SPLIT_MIN_STDS = 1024.0  # split where one step's window spans more std of its loss than this
+_SPLIT_BULK_STDS = 64.0  # first half-width of the finely gridded bulk, in std of one step's loss
+_SPLIT_MAX_TERMS = 12  # most tail events per block composed exactly
+_SPLIT_COARSE_POINTS = 2**14  # the first coarse grid spans the composed window with at most about this many
 # dp-accounting fallback.
 _DPA_RTOL = 2e-3
 _MAX_DPA_WINDOW = 1e4  # dp-accounting's grid spans the privacy loss, at 1e-2 (or finer) per point
@@ -245,13 +256,19 @@ def _one_step_pmf(relation: Relation, sigma: float, q: float, dx: float, j_lo: i
     convex function of ``e^-l``) for every eps and every composition: the result dominates. Loss
     below ``x_j_lo`` is rounded up to it; loss above ``x_j_hi`` (returned) counts as infinite.
     """
-    grid = np.arange(j_lo, j_hi + 1) * dx
+    return _one_step_cells(relation, sigma, q, dx, np.arange(j_lo, j_hi + 1))
+
+
+def _one_step_cells(relation: Relation, sigma: float, q: float, dx: float, points: np.ndarray) -> tuple[np.ndarray, float]:
+    """:func:`_one_step_pmf` on the increasing grid indices ``points``, whose gaps may differ: each
+    cell ``[x_i, x_i+1]`` between neighbouring points is connected to its own two ends."""
+    grid = points * dx
     t = _inverse_loss(relation, sigma, q, grid)
     # P = (1-q) N(0) + q N(1); Q = N(0) (add/remove) or (1-q) N(0) + q N(-1) (substitute).
     (c0, b0, a0), (c1, b1, a1) = _gaussian_cells(0.0, sigma, t), _gaussian_cells(1.0, sigma, t)
     m, below, above = (1.0 - q) * c0 + q * c1, (1.0 - q) * b0 + q * b1, (1.0 - q) * a0 + q * a1
     n = c0 if relation is Relation.ADD_REMOVE else (1.0 - q) * c0 + q * _gaussian_cells(-1.0, sigma, t)[0]
-    w1 = np.clip((m - n * np.exp(grid[:-1])) / -math.expm1(-dx), 0.0, m)
+    w1 = np.clip((m - n * np.exp(grid[:-1])) / -np.expm1(-np.diff(grid)), 0.0, m)
     pmf = np.zeros(grid.size)
     pmf[:-1] += m - w1
     pmf[1:] += w1
@@ -436,20 +453,31 @@ def _chernoff_windows(unit: _Lattice, units: int, log_tail: float) -> tuple[floa
     """``(above, lam, below)``: the sum of ``units`` draws of ``unit`` exceeds ``above`` (falls below
     ``-below``) with probability at most ``exp(log_tail)``; ``lam`` is the Chernoff parameter of ``above``.
 
-    The log-MGF is evaluated on many lams on a copy of the lattice coarsened to at most 1024 cells
-    (connecting the dots raises E[exp(lam X)] for lam > 0: the upper bound stays valid), at lams
-    around the one that is optimal for a Gaussian of the same variance.
+    The log-MGF is evaluated on a copy of the lattice coarsened to at most 1024 cells (connecting the
+    dots raises E[exp(lam X)] for lam > 0: the upper bound stays valid).
     """
     factor = 2 ** max(0, math.ceil(math.log2(unit.pmf.size / 1024)))
     small = unit.coarsened(factor) if factor > 1 else unit
     support = np.flatnonzero(small.pmf > 0.0)
-    p, x = small.pmf[support], (small.lo + support) * small.h
+    return _point_chernoff((small.lo + support) * small.h, small.pmf[support], units, log_tail, small.h)
+
+
+def _point_chernoff(
+    x: np.ndarray, p: np.ndarray, units: int, log_tail: float, std_floor: float = 1e-12, wide: bool = False
+) -> tuple[float, float, float]:
+    """:func:`_chernoff_windows` of the (sub-)probabilities ``p > 0`` at the losses ``x``, evaluated on
+    many lams around the one that is optimal for a Gaussian of the same variance."""
     mean = float(np.sum(p * x) / np.sum(p))
-    std = max(math.sqrt(float(np.sum(p * (x - mean) ** 2) / np.sum(p))), small.h)
-    lams = math.sqrt(2.0 * abs(log_tail) / units) / std * np.geomspace(1.0 / 64.0, 64.0, 37)
+    std = max(math.sqrt(float(np.sum(p * (x - mean) ** 2) / np.sum(p))), std_floor)
+    base = math.sqrt(2.0 * abs(log_tail) / units) / std
+    if wide:  # heavy tails: the best lam may be far below the Gaussian one
+        lams = np.concatenate([base * np.geomspace(1.0 / 64.0, 64.0, 13), np.geomspace(1e-2, 1e3, 16)])
+    else:
+        lams = base * np.geomspace(1.0 / 64.0, 64.0, 37)
     windows = []
+    log_p = np.log(p)
     for sign in (1.0, -1.0):
-        exponents = np.log(p) + sign * lams[:, None] * x
+        exponents = log_p + sign * lams[:, None] * x
         peak = exponents.max(axis=1)
         log_mgf = peak + np.log(np.sum(np.exp(exponents - peak[:, None]), axis=1))
         windows.append((units * log_mgf - log_tail) / lams)
@@ -569,6 +597,161 @@ class _FourierPLD:
         return np.arange(1, grid.n_pos) * grid.h, values[1 : grid.n_pos], missing
 
 
+class _SplitPLD:
+    """One step's PLD as a narrow bulk on a fine grid and rare tails on a grid ``k`` times coarser.
+
+    For small ``q`` one step's loss is a spike of width ~q near 0 next to rare values up to O(1): a
+    single grid fine enough for the spike would span the rare values with millions of points. Here
+    the cells within ``+-c h`` (``h = k dx``) are connected to the fine grid (the bulk ``b``), those
+    beyond to multiples of ``h`` (the tails ``u``): a partition into cells like any other, so the
+    discretised PLD ``b + u`` still dominates. ``m`` steps are ``sum_i C(m, i) b^{*(m-i)} * u^{*i}``;
+    connecting the dots onto the multiples of ``h`` commutes with shifts by multiples of ``h``, so the
+    coarsened composition is ``sum_i C(m, i) coarse(b^{*(m-i)}) * u^{*i}``: the bulk is composed on a
+    fine grid that spans only its own narrow range, the tails on the coarse grid. Terms with more
+    than ``K`` tail events (a binomial tail) count as infinite loss. Blocks of ``B`` steps are then
+    composed on the coarse grid as in :class:`_FourierPLD`.
+    """
+
+    def __init__(self, relation: Relation, sigma: float, q: float, dx: float, plan: _Plan):
+        max_steps = plan.max_steps
+        self.block, k = _split_scales(max_steps)
+        # k is set on the first grid of the refinement, so that halving dx halves h as well.
+        width = plan.composed.above + plan.composed.below
+        k = max(k, 2 ** max(0, math.ceil(math.log2(width / (_initial_dx(plan) * _SPLIT_COARSE_POINTS)))))
+        self.k, self.h, self.dx = k, k * dx, dx
+        j_lo, j_hi = -math.ceil(plan.one_step.below / dx), math.ceil(plan.one_step.above / dx)
+        g_lo, g_hi = math.floor(j_lo / k), math.ceil(j_hi / k)
+        max_blocks = max_steps // self.block
+        # Each bound below gets a share of the wrap budget, per block.
+        log_budget = plan.log_tail - math.log(4.0 * (max_blocks + 1))
+        half = _SPLIT_BULK_STDS * plan.mgf.std
+        while True:
+            c = max(1, math.ceil(half / self.h))  # the bulk: |j| <= c k
+            lower = np.arange(g_lo, -c) * k if g_lo < -c else np.zeros(0, dtype=np.int64)
+            upper = np.arange(c + 1, g_hi + 1) * k if g_hi > c else np.zeros(0, dtype=np.int64)
+            f_lo, f_hi = max(j_lo, -c * k), min(j_hi, c * k)
+            if f_hi - f_lo > _MAX_NX_ONE_STEP:
+                raise _Untrusted(f"a grid step of {dx:.2g} exceeds the grid budget")
+            points = np.concatenate([lower, np.arange(f_lo, f_hi + 1), upper])
+            pmf, self.beyond = _one_step_cells(relation, sigma, q, dx, points)
+            bulk = pmf[lower.size : lower.size + f_hi - f_lo + 1]
+            tail_points = np.concatenate([lower, upper]) // k
+            tail = np.concatenate([pmf[: lower.size], pmf[lower.size + bulk.size :]])
+            self.p_bulk, self.p_tail = float(np.sum(bulk)), float(np.sum(tail))
+            if self.p_tail <= 0.0:
+                self.terms = 0
+                break
+            # The mass of blocks with more than K tail events: (p_bulk + p_tail)^B bdtrc(K, B, r).
+            total = self.p_bulk + self.p_tail
+            dropped = total**self.block * scipy.special.bdtrc(np.arange(_SPLIT_MAX_TERMS + 1), self.block, self.p_tail / total)
+            enough = np.flatnonzero(dropped <= math.exp(log_budget))
+            if enough.size:
+                self.terms = int(enough[0])
+                break
+            half *= 2.0  # a wider bulk leaves fewer tail events
+        self.fine = _Composer(_Lattice(bulk / self.p_bulk, f_lo, dx), self.block, log_budget)
+        # The circle of one block on the coarse grid: the Chernoff window of B steps of b + u (coarsening
+        # moves loss up by less than h), the coarsened fine circle and one step's tails. The Chernoff
+        # bound uses copies of both parts connected to at most 256 cells each: connecting the dots
+        # raises E[exp(lam X)] for lam > 0, so the bound stays valid.
+        parts = [_Lattice(bulk, f_lo, dx)]
+        if self.p_tail > 0.0:
+            dense_tail = np.zeros(int(tail_points.max() - tail_points.min()) + 1)
+            np.add.at(dense_tail, tail_points - tail_points.min(), tail)
+            parts.append(_Lattice(dense_tail, int(tail_points.min()), self.h))
+        x_up, p_up = [], []
+        for part in parts:
+            factor = 2 ** max(0, math.ceil(math.log2(part.pmf.size / 256)))
+            small = part.coarsened(factor) if factor > 1 else part
+            support = np.flatnonzero(small.pmf > 0.0)
+            x_up.append((small.lo + support) * small.h)
+            p_up.append(small.pmf[support])
+        x_up, p_up = np.concatenate(x_up), np.concatenate(p_up)
+        above, self.lam, below = _point_chernoff(x_up, p_up, self.block, log_budget, wide=True)
+        if above > _MAX_WINDOW:
+            raise _OutOfWindow(f"the composed privacy loss needs a window up to {above:.0f}")
+        self.n_neg = max(math.ceil(max(below, 0.0) / self.h), -(-self.fine.n_neg // k), -g_lo) + 2
+        n_pos = max(math.ceil(max(above, 0.0) / self.h) + 2, -(-self.fine.n_pos // k) + 2, g_hi + 2)
+        self.nx = scipy.fft.next_fast_len(self.n_neg + n_pos, real=True)
+        if self.nx > _MAX_NX:
+            raise _Untrusted(f"a grid step of {self.h:.2g} exceeds the grid budget")
+        self.n_pos = self.nx - self.n_neg
+        self.log_mgf = float(scipy.special.logsumexp(self.lam * x_up, b=p_up))
+        if self.terms:
+            tail_circle = np.zeros(self.nx)
+            np.add.at(tail_circle, tail_points % self.nx, tail / self.p_tail)
+            self.tail_spectrum = scipy.fft.rfft(tail_circle, workers=-1)
+        self._blocks: dict[int, tuple[_Lattice, float]] = {}
+        if max_steps > self.block:
+            block = self._composed_block(self.block)[0]
+            self.coarse = _Composer(block, max_blocks + 1, plan.log_tail - math.log(2.0), self.n_pos, self.n_neg)
+
+    def _composed_block(self, num_steps: int) -> tuple[_Lattice, float]:
+        """``num_steps <= B`` steps on the coarse grid, and a bound on the mass that it misses."""
+        if num_steps in self._blocks:
+            return self._blocks[num_steps]
+        terms = min(self.terms, num_steps)
+        spectrum = np.zeros(self.nx // 2 + 1, dtype=complex)
+        missing = 0.0
+        for i in range(terms + 1):
+            log_weight = (
+                float(scipy.special.gammaln(num_steps + 1) - scipy.special.gammaln(i + 1) - scipy.special.gammaln(num_steps - i + 1))
+                + (num_steps - i) * math.log(self.p_bulk)
+                + (i * math.log(self.p_tail) if i else 0.0)
+            )
+            weight = math.exp(log_weight)
+            fine = self.fine.composed(num_steps - i)
+            missing += weight * _rounding_noise(fine)  # dropped by coarsening
+            bulk = _Lattice.from_fft_order(fine, self.fine.n_neg, self.dx).coarsened(self.k)
+            term = scipy.fft.rfft(bulk.in_fft_order(self.nx), workers=-1)
+            spectrum += weight * (term if i == 0 else term * self.tail_spectrum**i)
+            missing += weight * self.fine.wrapped(num_steps - i)
+        if self.terms and num_steps > terms:
+            total = self.p_bulk + self.p_tail
+            missing += total**num_steps * float(scipy.special.bdtrc(terms, num_steps, self.p_tail / total))
+        # What the circle wraps around its upper end (the lower end wraps onto the largest losses):
+        # coarsening moves loss up by less than h, so Chernoff at (n_pos - 1) h bounds it.
+        missing += math.exp(num_steps * self.log_mgf - self.lam * (self.n_pos - 1) * self.h)
+        values = scipy.fft.irfft(spectrum, n=self.nx, workers=-1)
+        missing += _rounding_noise(values)
+        result = (_Lattice.from_fft_order(np.maximum(values, 0.0), self.n_neg, self.h), missing)
+        self._blocks[num_steps] = result
+        return result
+
+    def composed(self, num_steps: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """As :meth:`_FourierPLD.composed`."""
+        missing = -math.expm1(num_steps * math.log1p(-self.beyond))
+        if num_steps <= self.block:
+            block, block_missing = self._composed_block(num_steps)
+            return np.arange(1, block.hi + 1) * self.h, block.pmf[1 - block.lo :], missing + block_missing
+        grid = self.coarse
+        blocks, rest = divmod(num_steps, self.block)
+        missing += blocks * self._composed_block(self.block)[1]
+        if rest:
+            remainder, rest_missing = self._composed_block(rest)
+            remainder = remainder.folded(1 - grid.n_neg)
+            missing += rest_missing + grid.wrapped(blocks, remainder.log_mgf(grid.lam), remainder.hi)
+            values = grid.composed(blocks, grid.transform(remainder))
+        else:
+            missing += grid.wrapped(blocks)
+            values = grid.composed(blocks)
+        return np.arange(1, grid.n_pos) * grid.h, values[1 : grid.n_pos], missing
+
+
+def _split_scales(max_steps: int) -> tuple[int, int]:
+    """(B, k) of :class:`_SplitPLD`: blocks as in :func:`_block_size`, or one block of all steps."""
+    if max_steps >= 512:
+        return _block_size(max_steps)
+    return max_steps, 2 ** round(math.log2(math.sqrt(max_steps)))
+
+
+def _make_pld(relation: Relation, sigma: float, q: float, dx: float, plan: _Plan) -> "_FourierPLD | _SplitPLD":
+    """The split grids where one step's window spans many standard deviations of its loss (small q)."""
+    if plan.max_steps > 1 and (plan.one_step.above + plan.one_step.below) > _SPLIT_MIN_STDS * plan.mgf.std:
+        return _SplitPLD(relation, sigma, q, dx, plan)
+    return _FourierPLD(relation, sigma, q, dx, plan)
+
+
 def _epsilon_from_pmf(x_pos: np.ndarray, p_pos: np.ndarray, target_delta: float) -> float:
     """Smallest eps >= 0 with sum_{x > eps} (1 - exp(eps - x)) p(x) <= target_delta, exactly."""
     s0 = np.zeros(p_pos.size + 1)
@@ -591,17 +774,24 @@ def _delta_from_pmf(x_pos: np.ndarray, p_pos: np.ndarray, eps: float) -> float:
     return float(np.sum(-np.expm1(eps - x_pos[above]) * p_pos[above]))
 
 
-def _pld_epsilon(pld: _FourierPLD, num_steps: int, target_delta: float) -> float:
+def _rounding_noise(p: np.ndarray) -> float:
+    """A bound on the delta that the FFT's rounding noise can hide: twice the negative mass (the noise
+    is symmetric; the true probabilities are not negative)."""
+    return -2.0 * float(np.sum(np.minimum(p, 0.0)))
+
+
+def _pld_epsilon(pld: "_FourierPLD | _SplitPLD", num_steps: int, target_delta: float) -> float:
     """Epsilon of the discretised composition, with the delta that the grid misses taken off the target."""
     x, p, missing = pld.composed(num_steps)
+    missing += _rounding_noise(p)
     if missing > 0.5 * target_delta:
-        raise _Untrusted("too much probability mass beyond the grid window")
+        raise _Untrusted("too much probability mass beyond the grid window, or FFT rounding noise near delta")
     return _epsilon_from_pmf(x, p, target_delta - missing)
 
 
-def _pld_delta(pld: _FourierPLD, num_steps: int, eps: float) -> float:
+def _pld_delta(pld: "_FourierPLD | _SplitPLD", num_steps: int, eps: float) -> float:
     x, p, missing = pld.composed(num_steps)
-    return _delta_from_pmf(x, p, eps) + missing
+    return _delta_from_pmf(x, p, eps) + missing + _rounding_noise(p)
 
 
 def _initial_dx(plan: _Plan) -> float:
@@ -716,7 +906,7 @@ def _epsilon_level(
     relation: Relation, sigma: float, q: float, steps: tuple, target_delta: float, dx: float
 ) -> tuple[float, ...]:
     """Epsilons on the grid of step ``dx``: upper bounds, not yet checked by refinement."""
-    pld = _FourierPLD(relation, sigma, q, dx, _cached_plan(relation, sigma, q, max(steps), target_delta))
+    pld = _make_pld(relation, sigma, q, dx, _cached_plan(relation, sigma, q, max(steps), target_delta))
     return tuple(_pld_epsilon(pld, t, target_delta) for t in steps)
 
 
@@ -819,7 +1009,7 @@ def delta(
         return math.exp(_single_step_log_delta(relation, sigma, q, eps))
     plan = _cached_plan(relation, sigma, q, int(steps), _DELTA_FLOOR)
     try:
-        level = lambda dx: np.array([_pld_delta(_FourierPLD(relation, sigma, q, dx, plan), int(steps), eps)])
+        level = lambda dx: np.array([_pld_delta(_make_pld(relation, sigma, q, dx, plan), int(steps), eps)])
         (value,), _ = _fourier_values(plan, level, 0.0)
         if value < 1e2 * _DELTA_FLOOR:  # the window only guarantees deltas above the floor
             raise _Untrusted("delta below the resolution of the grid window")
@@ -845,12 +1035,16 @@ def approximate_sigma(
     Otherwise the root of ``epsilon(sigma) = target`` is bracketed in log-log space, starting from a
     central-limit guess and extrapolating secants, and the bracket shrunk (inverse quadratic
     interpolation, each point placed just beyond the estimated root) until its ends are within a
-    factor ``1 + tol``. Points within 20% of a checked one are evaluated on the grid that passed that
-    check, whose epsilons are upper bounds; the upper end of the bracket is returned once
-    :func:`epsilon` has confirmed that its epsilon is at most the target. Results are cached.
-    Typically 3 to 6 evaluations, 10-100 ms; sampling rates of 1e-3 and below with sigma below
-    about 1 take longer (up to seconds at q = 1e-4), as one step's loss then has a narrow peak of
-    width ~q that the grid must resolve, next to rare large values.
+    factor ``1 + tol``. Every grid gives an upper bound on epsilon; the first point refines its grid
+    until the coarser of two successive grids overstates epsilon by less than about ``tol / 4``
+    (estimated from their difference, which shrinks as the grid step squared), and all points use
+    grids of that step relative to the spread of one step's loss. The upper end of the bracket and
+    its epsilon on that grid (at most the target) are returned once one grid finer has confirmed
+    there that the grid overstates epsilon by less than ``tol / 2`` (else the search goes on one grid
+    finer); :func:`epsilon`, on refined grids, gives at most that value (up to ~1e-6 relative). Results are cached. Typically 3 to 6 evaluations, 10-100 ms of CPU
+    time for any epsilon in [0.01, 100], up to 1e6 steps and sampling rates down to 1e-5 (small
+    rates use split grids, see :class:`_SplitPLD`). Deltas below about 1e-9 together with rates
+    below about 1e-4 can need dp-accounting's slow fallback (FFT rounding noise reaches delta).
 
     :param epsilon: target epsilon > 0.
     :param delta: target delta in (0, 1).
@@ -858,8 +1052,9 @@ def approximate_sigma(
     :param num_steps: number of steps.
     :param relation: the :class:`Relation` that matches the minibatch sampler.
     :param tol: relative width of the final bracket on sigma, in (0, 0.5].
-    :return: ``SigmaResult(sigma, epsilon, num_evaluations)`` with ``epsilon <= target``, the value
-        that :func:`epsilon` gives for ``sigma``.
+    :return: ``SigmaResult(sigma, epsilon, num_evaluations)`` with ``epsilon <= target``, an upper
+        bound on epsilon at ``sigma`` (for ``num_steps > 1`` and ``q < 1``, from the search's grid:
+        within about ``tol / 4`` above what :func:`epsilon` gives).
     :raises AccountingError: if no sigma can be certified (for instance a target epsilon so large
         that the privacy loss of the run lies beyond what the accountants can represent).
 
@@ -869,8 +1064,8 @@ def approximate_sigma(
 
         >>> from d3pext.accountants import approximate_sigma
         >>> sigma, eps, n = approximate_sigma(1.0, 1e-5, 0.01, 10_000, relation="add_remove")
-        >>> round(sigma, 2), eps <= 1.0
-        (3.81, True)
+        >>> round(sigma, 1), eps <= 1.0
+        (3.8, True)
     """
     relation = _as_relation(relation)
     target, target_delta, q = _check_positive("epsilon", epsilon), _check_delta(delta), _check_q(q)
@@ -940,32 +1135,57 @@ def _searched_sigma(
 ) -> SigmaResult:
     evaluations = 0
     steps = np.array([num_steps])
-    dx, checked_at = None, math.nan  # the grid of the search, and log sigma where it was checked
+    values: dict[float, float] = {}  # epsilon (an upper bound) at each log sigma evaluated
+    fourier_points: set[float] = set()  # the log sigmas whose value is from the search's grid
+    level_shift = None  # the search's grid step: the initial one at each sigma, halved this many times
 
-    def excess(log_sigma: float, checked: bool = False) -> float:
+    def excess(log_sigma: float) -> float:
         """log(epsilon / target) at sigma = exp(log_sigma); inf where the loss is out of the window.
 
-        A checked evaluation refines the grid from its initial step (which depends on sigma) until
-        two agree, and the next unchecked ones use the finer of those grids. Only sigma within 20%
-        of the last checked one skip the check.
+        Every grid gives an upper bound on epsilon. The first evaluation halves the grid step until
+        the estimated excess of the coarser grid, ``4/3`` of the change (it shrinks as the step
+        squared), is below ``tol / 4``; all points of the search then use that relative step (the
+        initial step at their sigma, halved ``level_shift`` times), so the sigma found is at most about
+        ``tol / 4`` above the smallest one.
         """
-        nonlocal evaluations, dx, checked_at
+        nonlocal evaluations, level_shift
         evaluations += 1
         sigma = math.exp(log_sigma)
         if not 1e-100 < sigma < 1e100:
             raise AccountingError(f"no sigma meets epsilon={target}, delta={target_delta}: the search reached {sigma:.3g}")
+        fourier_points.discard(log_sigma)
         try:
-            if dx is None or (checked and abs(log_sigma - checked_at) > math.log(1.2)):
-                level = lambda h: np.array(_epsilon_level(relation, sigma, q, (num_steps,), target_delta, h))
-                (eps,), dx = _fourier_values(_cached_plan(relation, sigma, q, num_steps, target_delta), level, _EPS_ATOL)
-                checked_at = log_sigma
+            plan = _cached_plan(relation, sigma, q, num_steps, target_delta)
+            if plan.composed.above > _MAX_WINDOW:
+                raise _OutOfWindow("the composed privacy loss is beyond the window")
+            level = lambda h: _epsilon_level(relation, sigma, q, (num_steps,), target_delta, h)[0]
+            dx = _initial_dx(plan)
+            if level_shift is None:
+                shift, eps = 0, level(dx)
+                while shift < 12:
+                    try:
+                        finer = level(dx / 2.0)
+                    except _Untrusted as err:  # grid budget: search on the finest grid that fits
+                        if isinstance(err, _OutOfWindow):
+                            raise
+                        break
+                    change = eps - finer
+                    if change <= 0.1875 * tol * finer + _EPS_ATOL:  # the coarser's excess, 4/3 of it, < tol / 4
+                        break
+                    shift, eps, dx = shift + 1, finer, dx / 2.0
+                    if change <= 0.75 * tol * finer + _EPS_ATOL:  # the finer's, 1/3 of it, < tol / 4
+                        break
+                level_shift = shift
             else:
-                (eps,) = _epsilon_level(relation, sigma, q, (num_steps,), target_delta, dx)
+                eps = level(dx / 2.0**level_shift)
+            fourier_points.add(log_sigma)
         except _OutOfWindow:
             return math.inf
         except _Untrusted:  # grid budget: the checked value, from dp-accounting if need be
             eps = float(_composed_epsilon(relation, sigma, q, steps, target_delta)[0][0])
-        return math.log(max(eps, 1e-300) / target)
+        values[log_sigma] = eps
+        # (a margin of 1e-5: the checked epsilon, on finer grids, may differ from this one by ~1e-6)
+        return math.log(max(eps, 1e-300) / target) + 1e-5
 
     def guess(target_eps: float) -> float:
         return math.log(_sigma_guess(relation, target_eps, target_delta, q, num_steps))
@@ -975,14 +1195,14 @@ def _searched_sigma(
     # extrapolate the last two a little beyond the root (epsilon is close to a power of sigma).
     width_tol = math.log1p(tol)
     first = guess(target)
-    points = [(first, excess(first, checked=True))]
+    points = [(first, excess(first))]
     f_first = points[0][1]
     direction = 1.0 if f_first > 0.0 else -1.0  # the way sigma has to move
     factor = math.exp(-min(f_first, math.log(4.0))) if f_first > 0.0 else math.exp(min(-f_first, math.log(4.0)))
     step = max(direction * (guess(target * factor) - points[0][0]), 0.0) + 0.5 * width_tol
     while True:
         point = points[-1][0] + direction * step
-        points.append((point, excess(point, checked=True)))
+        points.append((point, excess(point)))
         (p0, f0), (p1, f1) = points[-2:]
         if (f1 > 0.0) != (f_first > 0.0):
             break
@@ -997,20 +1217,44 @@ def _searched_sigma(
     # interpolation through the three points nearest to it, else the secant of the bracket), on the
     # side of the end farther from it, so that each evaluation moves one end close to the root.
     # Bisection where two steps in a row have not halved the bracket.
-    widths = [hi - lo]
-    while hi - lo > width_tol:
-        root = _estimate_root(points, lo, f_lo, hi, f_hi)
-        new = root + 0.3 * width_tol if hi - root > root - lo else root - 0.3 * width_tol
-        new = min(max(new, lo + 0.1 * width_tol), hi - 0.1 * width_tol)
-        if len(widths) >= 3 and widths[-1] > 0.5 * widths[-3]:
-            new = 0.5 * (lo + hi)
-        f_new = excess(new)
-        points.append((new, f_new))
-        if f_new > 0.0:
-            lo, f_lo = new, f_new
-        else:
-            hi, f_hi = new, f_new
-        widths.append(hi - lo)
+    for _ in range(4):
+        widths = [hi - lo]
+        while hi - lo > width_tol:
+            root = _estimate_root(points, lo, f_lo, hi, f_hi)
+            new = root + 0.3 * width_tol if hi - root > root - lo else root - 0.3 * width_tol
+            new = min(max(new, lo + 0.1 * width_tol), hi - 0.1 * width_tol)
+            if len(widths) >= 3 and widths[-1] > 0.5 * widths[-3]:
+                new = 0.5 * (lo + hi)
+            f_new = excess(new)
+            points.append((new, f_new))
+            if f_new > 0.0:
+                lo, f_lo = new, f_new
+            else:
+                hi, f_hi = new, f_new
+            widths.append(hi - lo)
+        # The grid's excess at the result, from one grid finer (its relative step at this sigma may differ
+        # from the first point's by a factor 2): where it exceeds tol / 2, search again one grid finer.
+        if level_shift is None or hi not in fourier_points or not math.isfinite(f_lo):
+            break
+        sigma_hi = math.exp(hi)
+        plan = _cached_plan(relation, sigma_hi, q, num_steps, target_delta)
+        try:
+            finer = _epsilon_level(
+                relation, sigma_hi, q, (num_steps,), target_delta, _initial_dx(plan) / 2.0 ** (level_shift + 1)
+            )[0]
+        except _Untrusted:
+            break
+        if values[hi] - finer <= 0.375 * tol * finer + _EPS_ATOL:
+            break
+        level_shift += 1
+        f_lo, f_hi = excess(lo), excess(hi)
+        while f_lo <= 0.0:  # the finer grid may move the root out of the bracket: widen it
+            lo, hi, f_hi = lo - (hi - lo), lo, f_lo
+            f_lo = excess(lo)
+        while f_hi > 0.0:
+            lo, f_lo, hi = hi, f_hi, hi + (hi - lo)
+            f_hi = excess(hi)
+        points = [(lo, f_lo), (hi, f_hi)]
     if not math.isfinite(f_lo):
         eps_hi = target * math.exp(f_hi)
         raise AccountingError(
@@ -1019,8 +1263,7 @@ def _searched_sigma(
             f"{_MAX_WINDOW:g}, outside the range of tight accounting; an epsilon this large is no meaningful "
             "guarantee"
         )
-    sigma, eps, checks = _confirmed(relation, math.exp(hi), q, num_steps, target, target_delta, tol)
-    return SigmaResult(sigma, eps, evaluations + checks)
+    return SigmaResult(math.exp(hi), values[hi], evaluations)
 
 
 def _estimate_root(points: list, lo: float, f_lo: float, hi: float, f_hi: float) -> float:

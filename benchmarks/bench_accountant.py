@@ -1,17 +1,20 @@
 """Benchmark of d3pext.accountants against plain fourier-accountant calls and dp-accounting's PLD.
 
-Run ``python benchmarks/bench_accountant.py`` (about two minutes on two cores; ``--grid`` runs only the
-approximate_sigma grid below, ``--q 1e-4,1e-3`` picks its sampling rates). For each setting it
-prints the runtime of d3pext, of fourier-accountant at its defaults (nx = 1e6, L = 20) and of
-dp-accounting's PLD accountant at its default grid (value_discretization_interval = 1e-4), their
-ratios, and each result's relative error against dp-accounting on a fine grid (1e-5 for epsilon
-below 1, 1e-4 below 10, 1e-3 above: a few 1e-5 of the value at most; where that grid is dp-accounting's
-default, its own error is not shown). For approximate_sigma the reference is the sigma on which all
-tight accountants agree to 0.02%.
+Run ``python benchmarks/bench_accountant.py`` (several minutes on two cores; ``--grid`` runs only the
+approximate_sigma grid below, ``--q 1e-4,1e-3`` picks its sampling rates, ``--before`` adds the
+previous implementation side by side). For each setting it prints the runtime of d3pext, of
+fourier-accountant at its defaults (nx = 1e6, L = 20) and of dp-accounting's PLD accountant at its
+default grid (value_discretization_interval = 1e-4), their ratios, and each result's relative error
+against dp-accounting on a fine grid (1e-5 for epsilon below 1, 1e-4 below 10, 1e-3 above: a few 1e-5
+of the value at most; where that grid is dp-accounting's default, its own error is not shown). For
+approximate_sigma the reference is the sigma on which all tight accountants agree to 0.02%.
 
-Last, approximate_sigma over the issue's grid (epsilon 0.01-100, 1-1e6 steps, q = 0.01 and 0.1 by
-default, both relations), each call with cold caches: wall-clock milliseconds per call and the
-number of accountant evaluations.
+Last, approximate_sigma over the issue's grid (epsilon 0.01-100, 1-1e6 steps, q = 1e-5 to 0.1, both
+relations), each call with cold caches: the worst wall-clock and CPU time per sampling rate, and with
+``--cells`` every cell (milliseconds and number of accountant evaluations). ``--before`` times the
+previous implementation on the same cells in the same run (one grid of fine step over the whole
+window of one step, every bracketing point checked by refinement; kept here only): it falls back to
+dp-accounting at q = 1e-5 (minutes per cell), so it is capped at ``--before-cap`` seconds per cell.
 """
 
 from __future__ import annotations
@@ -87,33 +90,153 @@ def row(name, ours, fa, dpa, reference, dpa_is_reference=False):
 
 
 GRID_EPSILONS = (0.01, 0.1, 1.0, 8.0, 30.0, 100.0)
-GRID_STEPS = (1, 100, 10_000, 1_000_000)
+GRID_STEPS = (1, 10, 100, 1000, 10_000, 100_000, 1_000_000)
+GRID_QS = (1e-5, 1e-4, 1e-3, 1e-2, 0.1)
 
 
-def sigma_grid(qs=(0.01, 0.1)):
-    """approximate_sigma's wall time (ms) and evaluations over the grid, cold caches; returns the worst time."""
+def _legacy_searched_sigma(relation, target, target_delta, q, num_steps, tol):
+    """The previous ``fourier._searched_sigma`` (before the bulk/tail split), for side-by-side timing only."""
+    F = fourier
+    evaluations = 0
+    steps = np.array([num_steps])
+    dx, checked_at = None, math.nan
+
+    def excess(log_sigma, checked=False):
+        nonlocal evaluations, dx, checked_at
+        evaluations += 1
+        sigma = math.exp(log_sigma)
+        if not 1e-100 < sigma < 1e100:
+            raise AccountingError("the search left the range of sigma")
+        try:
+            if dx is None or (checked and abs(log_sigma - checked_at) > math.log(1.2)):
+                level = lambda h: np.array(F._epsilon_level(relation, sigma, q, (num_steps,), target_delta, h))
+                (eps,), dx = F._fourier_values(F._cached_plan(relation, sigma, q, num_steps, target_delta), level, F._EPS_ATOL)
+                checked_at = log_sigma
+            else:
+                (eps,) = F._epsilon_level(relation, sigma, q, (num_steps,), target_delta, dx)
+        except F._OutOfWindow:
+            return math.inf
+        except F._Untrusted:
+            eps = float(F._composed_epsilon(relation, sigma, q, steps, target_delta)[0][0])
+        return math.log(max(eps, 1e-300) / target)
+
+    guess = lambda t: math.log(F._sigma_guess(relation, t, target_delta, q, num_steps))
+    width_tol = math.log1p(tol)
+    first = guess(target)
+    points = [(first, excess(first, checked=True))]
+    f_first = points[0][1]
+    direction = 1.0 if f_first > 0.0 else -1.0
+    factor = math.exp(-min(f_first, math.log(4.0))) if f_first > 0.0 else math.exp(min(-f_first, math.log(4.0)))
+    step = max(direction * (guess(target * factor) - points[0][0]), 0.0) + 0.5 * width_tol
+    while True:
+        point = points[-1][0] + direction * step
+        points.append((point, excess(point, checked=True)))
+        (p0, f0), (p1, f1) = points[-2:]
+        if (f1 > 0.0) != (f_first > 0.0):
+            break
+        if math.isfinite(f0) and math.isfinite(f1) and (f1 - f0) * direction < 0.0:
+            secant = -f1 * (p1 - p0) / (f1 - f0)
+            step = min(max(1.1 * direction * secant + 0.5 * width_tol, 0.5 * width_tol), max(4.0 * step, 1.0))
+        else:
+            step *= 2.0
+    (lo, f_lo), (hi, f_hi) = sorted(points[-2:])
+    widths = [hi - lo]
+    while hi - lo > width_tol:
+        root = F._estimate_root(points, lo, f_lo, hi, f_hi)
+        new = root + 0.3 * width_tol if hi - root > root - lo else root - 0.3 * width_tol
+        new = min(max(new, lo + 0.1 * width_tol), hi - 0.1 * width_tol)
+        if len(widths) >= 3 and widths[-1] > 0.5 * widths[-3]:
+            new = 0.5 * (lo + hi)
+        f_new = excess(new)
+        points.append((new, f_new))
+        if f_new > 0.0:
+            lo, f_lo = new, f_new
+        else:
+            hi, f_hi = new, f_new
+        widths.append(hi - lo)
+    if not math.isfinite(f_lo):
+        raise AccountingError("out of the window")
+    sigma, eps, checks = F._confirmed(relation, math.exp(hi), q, num_steps, target, target_delta, tol)
+    return F.SigmaResult(sigma, eps, evaluations + checks)
+
+
+class _CellTimeout(Exception):
+    pass
+
+
+def legacy_approximate_sigma(target, delta, q, num_steps, relation, cap):
+    """The previous approximate_sigma: one grid over one step's window (no split), all bracket points checked."""
+    import signal
+
+    def alarm(signum, frame):
+        raise _CellTimeout
+
+    saved = fourier._SPLIT_MIN_STDS
+    fourier._SPLIT_MIN_STDS = math.inf
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, cap)
+    try:
+        if q == 1.0 or num_steps == 1:  # unchanged closed forms
+            return approximate_sigma(target, delta, q, num_steps, relation)
+        return _legacy_searched_sigma(Relation(relation), target, delta, q, num_steps, 1e-3)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        fourier._SPLIT_MIN_STDS = saved
+
+
+def _time_cell(call):
+    fourier._clear_caches()
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        result = call()
+        note = f"({result.num_evaluations})"
+    except AccountingError:
+        note = "(refused)"
+    except _CellTimeout:
+        note = "(cap)"
+    return time.perf_counter() - wall, time.process_time() - cpu, note
+
+
+def sigma_grid(qs=GRID_QS, before=False, cap=30.0, cells=False):
+    """approximate_sigma's worst wall and CPU time per q over the grid, cold caches; returns the worst wall time."""
     approximate_sigma(1.0, DELTA, 0.01, 1000)  # imports and first calls
-    print(f"\napproximate_sigma, delta = {DELTA}: milliseconds per call (evaluations), caches cleared before each")
-    print(f"{'relation':<11} {'q':>7} {'steps':>9}" + "".join(f"{f'eps={e:g}':>13}" for e in GRID_EPSILONS))
-    worst = 0.0
-    for relation in (R, S):
-        for q in qs:
+    if before:
+        legacy_approximate_sigma(1.0, DELTA, 0.01, 1000, R, cap)
+    print(f"\napproximate_sigma, delta = {DELTA}, epsilon {GRID_EPSILONS}, steps {GRID_STEPS}, both relations; "
+          "caches cleared before each call")
+    if cells:
+        print(f"{'relation':<11} {'q':>7} {'steps':>9}" + "".join(f"{f'eps={e:g}':>15}" for e in GRID_EPSILONS))
+    summary = []
+    for q in qs:
+        worst = {"after": (0.0, 0.0, ""), "before": (0.0, 0.0, "")}
+        refused = 0
+        for relation in (R, S):
             for steps in GRID_STEPS:
-                cells = []
+                row_cells = []
                 for target in GRID_EPSILONS:
-                    fourier._clear_caches()
-                    start = time.perf_counter()
-                    try:
-                        result = approximate_sigma(target, DELTA, q, steps, relation)
-                        note = f"({result.num_evaluations})"
-                    except AccountingError:
-                        note = "(error)"
-                    elapsed = time.perf_counter() - start
-                    worst = max(worst, elapsed)
-                    cells.append(f"{1e3 * elapsed:7.1f} {note:<5}")
-                print(f"{relation.value:<11} {q:>7g} {steps:>9g}" + "".join(f"{c:>13}" for c in cells), flush=True)
-    print(f"worst: {1e3 * worst:.1f} ms")
-    return worst
+                    wall, cpu, note = _time_cell(lambda: approximate_sigma(target, DELTA, q, steps, relation))
+                    refused += note == "(refused)"
+                    where = f"{relation.value} T={steps:g} eps={target:g}"
+                    if wall > worst["after"][0]:
+                        worst["after"] = (wall, cpu, where)
+                    row_cells.append(f"{1e3 * wall:8.1f} {note:<6}")
+                    if before:
+                        wall_b, cpu_b, note_b = _time_cell(
+                            lambda: legacy_approximate_sigma(target, DELTA, q, steps, relation, cap))
+                        if wall_b > worst["before"][0]:
+                            worst["before"] = (wall_b, cpu_b, where + (" (capped)" if note_b == "(cap)" else ""))
+                if cells:
+                    print(f"{relation.value:<11} {q:>7g} {steps:>9g}" + "".join(f"{c:>15}" for c in row_cells), flush=True)
+        summary.append((q, worst, refused))
+        (w, c, where), (wb, cb, whereb) = worst["after"], worst["before"]
+        line = f"q={q:<7g} worst after {1e3 * w:8.1f} ms wall {1e3 * c:8.1f} ms CPU ({where})"
+        if before:
+            line += f" | before {1e3 * wb:8.1f} ms wall {1e3 * cb:8.1f} ms CPU ({whereb}) | ratio {wb / w:6.1f}x"
+        print(line + (f"; {refused} cells refused (no noise needed: q T <= delta)" if refused else ""), flush=True)
+    worst_wall = max(w["after"][0] for _, w, _ in summary)
+    print(f"worst over the grid: {1e3 * worst_wall:.1f} ms")
+    return worst_wall
 
 
 def main():
@@ -155,8 +278,11 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", action="store_true", help="only the approximate_sigma grid")
-    parser.add_argument("--q", default="0.01,0.1", help="sampling rates of the grid, comma-separated")
+    parser.add_argument("--q", default=",".join(f"{q:g}" for q in GRID_QS), help="sampling rates of the grid, comma-separated")
+    parser.add_argument("--before", action="store_true", help="time the previous implementation side by side")
+    parser.add_argument("--before-cap", type=float, default=30.0, help="seconds per cell for --before (default 30)")
+    parser.add_argument("--cells", action="store_true", help="print every cell of the grid")
     args = parser.parse_args()
     if not args.grid:
         main()
-    sigma_grid(tuple(float(q) for q in args.q.split(",")))
+    sigma_grid(tuple(float(q) for q in args.q.split(",")), args.before, args.before_cap, args.cells)

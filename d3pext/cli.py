@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="The smallest noise multiplier sigma whose epsilon after --steps steps is at most --epsilon.",
     )
     _add_accounting_args(sig, "epsilon", "target epsilon")
+    sig.add_argument("--time-limit", type=_positive, default=2.0,
+                     help="seconds of CPU time after which the search gives up with the reason (default 2)")
     sig.set_defaults(handler=_sigma, subparser=sig)
 
     audit = sub.add_parser(
@@ -196,12 +198,34 @@ def _epsilon(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def _sigma(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    import signal
+    import threading
+
     from d3pext import accountants
 
+    def out_of_time(signum, frame):
+        raise TimeoutError
+
+    # A CPU-time limit (SIGPROF), where signals can be used: the main thread of a POSIX process.
+    limit = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGPROF, out_of_time) if limit else None
     try:
+        if limit:
+            signal.setitimer(signal.ITIMER_PROF, args.time_limit)
         result = accountants.approximate_sigma(args.epsilon, args.delta, args.q, args.steps, args.relation)
     except (accountants.AccountingError, ValueError) as e:
         parser.error(str(e))
+    except TimeoutError:
+        parser.error(
+            f"no sigma was certified within {args.time_limit:g} s of CPU time (--time-limit): at these settings "
+            "the Fourier accountant cannot resolve delta (typically a delta below about 1e-9 with a sampling "
+            "rate below 1e-4, where FFT rounding noise reaches delta) and its dp-accounting fallback takes "
+            "minutes; use a larger delta or a larger --time-limit"
+        )
+    finally:
+        if limit:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+            signal.signal(signal.SIGPROF, previous)
     print(f"sigma: {float(result.sigma):.6g}")
     print(f"epsilon: {float(result.epsilon):.6g} (target {args.epsilon:g})")
     _print_settings(delta=args.delta, q=args.q, steps=args.steps, relation=args.relation)
