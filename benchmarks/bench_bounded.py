@@ -8,14 +8,16 @@ threads of this process; the machine may be shared, so wall time is not used):
   gammas by ``scipy.special.gammaincinv``/``gammainccinv``): the reference;
 - d3pext's ``private_posterior`` (``KazanReiterGibbs``, ``chain_method="vectorized"``, float64)
   at 1, 10, 100 and 1000 chains: the second ``mcmc.run`` of the same ``MCMC`` object, as a
-  ratio to the reference, with the first run's CPU time over the second's (compilation) and the
-  number of XLA compilations the second run triggered;
+  ratio to the reference measured just before it (the machine may be shared: each row has its
+  own reference), with the compile time (first run's CPU time minus the second's) and the
+  number of XLA compilations the second run triggered (0: ``CachedMCMC`` reuses the sampler);
 - ``sample_releases`` (many releases x chains in one compiled ``vmap``), and the time the
   paper's Figure 2 study (168 settings x 10,000 data sets x 20,000 iterations, 10-20 hours per
   setting on a cluster core) would take at that rate.
 
     python benchmarks/bench_bounded.py            # full size
-    python benchmarks/bench_bounded.py --small    # less than a minute of CPU
+    python benchmarks/bench_bounded.py --small    # a few minutes of CPU (mostly compilation)
+    python benchmarks/bench_bounded.py --small --chains 100 --skip kernel releases
 """
 
 from __future__ import annotations
@@ -107,7 +109,11 @@ def _cpu_time(fn):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--chains", default="1,10,100,1000", help="comma-separated chain counts")
+    parser.add_argument("--skip", nargs="*", default=(), choices=("kernel", "releases"),
+                        help="leave out the kernel-alone rows or the sample_releases row")
     args = parser.parse_args()
+    chain_counts = [int(c) for c in args.chains.split(",")]
     e = BLOOD_LEAD
     n, eps = e["n"], e["epsilon1"]
     ym, yv = 0.343027, 0.222480
@@ -121,8 +127,12 @@ def main() -> None:
     )
 
     numpy_chain(20, n, ym, yv, eps, eps)  # warm the imports
-    cpu, draws = _cpu_time(lambda: numpy_chain(numpy_iter, n, ym, yv, eps, eps))
-    numpy_rate = numpy_iter / cpu
+
+    def reference(seed=0):
+        cpu, draws = _cpu_time(lambda: numpy_chain(numpy_iter, n, ym, yv, eps, eps, seed))
+        return numpy_iter / cpu, draws
+
+    numpy_rate, draws = reference()
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"JAX {jax.__version__} on {jax.default_backend()}, float64; rates in chain-iterations "
@@ -130,9 +140,9 @@ def main() -> None:
     print(f"NumPy single chain (reference): {numpy_rate:10.0f}   "
           f"(posterior mean of mu {100 * draws[numpy_iter // 5:, 0].mean():.1f})")
     model = private_bounded_gaussian(eps, eps, e["bounds"], FlatPrior(), constrained=True)
-    print(f"{'chains':>7} {'iterations':>10} {'d3pext rate':>12} {'/ NumPy':>8} "
-          f"{'1st/2nd run CPU':>16} {'2nd-run compiles':>17} {'mean of mu':>10}")
-    for num_chains in (1, 10, 100, 1000):
+    print(f"{'chains':>7} {'iterations':>10} {'d3pext rate':>12} {'NumPy rate':>10} {'/ NumPy':>8} "
+          f"{'compile CPU-s':>13} {'2nd-run compiles':>17} {'mean of mu':>10}")
+    for num_chains in chain_counts:
         num_iter = max(200, budget // num_chains)
         mcmc = private_posterior(
             model, e["release"], num_warmup=num_iter // 5, num_samples=num_iter - num_iter // 5,
@@ -142,14 +152,23 @@ def main() -> None:
         compiles.clear()
         second, out = _cpu_time(lambda: (mcmc.run(jax.random.key(1), n), mcmc.get_samples())[1])
         rate = num_chains * num_iter / second
-        print(f"{num_chains:7d} {num_iter:10d} {rate:12.0f} {rate / numpy_rate:8.2f} "
-              f"{first / second:16.1f} {len(compiles):17d} {float(out['mu'].mean()):10.1f}")
+        numpy_rate = (numpy_rate + reference(num_chains)[0]) / 2  # the reference around this row
+        print(f"{num_chains:7d} {num_iter:10d} {rate:12.0f} {numpy_rate:10.0f} {rate / numpy_rate:8.2f} "
+              f"{first - second:13.1f} {len(compiles):17d} {float(out['mu'].mean()):10.1f}")
+        numpy_rate = reference(num_chains + 1)[0]
 
+    if "kernel" not in args.skip:
+        _kernel_alone(mcmc, e, n, budget, chain_counts, reference)
+    if "releases" not in args.skip:
+        _releases(model, e, n, sets, chains, iters, reference)
+
+
+def _kernel_alone(mcmc, e, n, budget, chain_counts, reference):
     # the kernel alone, compiled once: jit(scan(vmap(sweep))), reused for a second call
     print("kernel alone (KazanReiterGibbs.sample under vmap and lax.scan, compiled once):")
     inner = mcmc.sampler.inner
     state0 = inner.init(jax.random.key(0), 0, None, (n,), {RELEASES_KWARG: dict(e["release"])})
-    for num_chains in (1, 10, 100, 1000):
+    for num_chains in chain_counts:
         num_iter = max(200, budget // num_chains)
         states = jax.vmap(lambda k: state0._replace(rng_key=k))(jax.random.split(jax.random.key(1), num_chains))
 
@@ -162,20 +181,25 @@ def main() -> None:
             return jax.lax.scan(body, s, None, length=num_iter)[1]
 
         first, _ = _cpu_time(lambda: sweeps(states))
+        numpy_rate = reference(num_chains)[0]
         second, mu = _cpu_time(lambda: sweeps(states))
         rate = num_chains * num_iter / second
-        print(f"{num_chains:7d} {num_iter:10d} {rate:12.0f} {rate / numpy_rate:8.2f} "
-              f"{first / second:16.1f} {'-':>17} {100 * float(mu.mean()):10.1f}")
+        print(f"{num_chains:7d} {num_iter:10d} {rate:12.0f} {numpy_rate:10.0f} {rate / numpy_rate:8.2f} "
+              f"{first - second:13.1f} {'-':>17} {100 * float(mu.mean()):10.1f}")
 
+
+def _releases(model, e, n, sets, chains, iters, reference):
     releases = {k: jnp.full((sets,), v) for k, v in e["release"].items()}
     run = lambda key: sample_releases(  # noqa: E731
         model, releases, key, n, num_warmup=iters // 5, num_samples=iters - iters // 5, num_chains=chains
     )
     compile_s, _ = _cpu_time(lambda: run(jax.random.key(0)))
+    numpy_rate = reference(7)[0]
     cpu, out = _cpu_time(lambda: run(jax.random.key(1)))
     d3p_rate = sets * chains * iters / cpu
-    print(f"sample_releases {sets} x {chains} chains: {d3p_rate:10.0f}   ratio {d3p_rate / numpy_rate:.2f} "
-          f"(first call {compile_s:.1f} CPU-s; posterior mean of mu {float(out['mu'].mean()):.1f})")
+    print(f"sample_releases {sets} x {chains} chains: {d3p_rate:10.0f}   NumPy {numpy_rate:.0f}   ratio "
+          f"{d3p_rate / numpy_rate:.2f} (first call {compile_s:.1f} CPU-s; posterior mean of mu "
+          f"{float(out['mu'].mean()):.1f})")
     hours = FIGURE2_CHAIN_ITERATIONS / d3p_rate / 3600
     print(f"Figure 2 study ({FIGURE2_CHAIN_ITERATIONS:.2e} chain-iterations): {hours:,.0f} CPU-hours at "
           f"the sample_releases rate; one NumPy chain per core: "

@@ -7,7 +7,14 @@
   for the topic model (90 x 15, K = 3) and the MMSB (20 actors, C = 5): the d3pext kernel
   (one chain, and 64 chains under ``vmap``) against a plain NumPy sweep written here.
 
-Run: ``python benchmarks/bench_counts.py`` (add ``--quick`` for fewer repetitions).
+- a Poisson-gamma model with 30 privatized cells (``rate ~ Gamma(2, 0.5)``): the whole
+  ``private_posterior`` run (4 vectorized chains) with the conjugate gamma update of the rate
+  against the same sampler with NUTS for the rate (``conjugate=False``), first run (compilation
+  included) and second run (same shapes, new key; nothing compiled again), in CPU seconds
+  (``time.process_time``: the machine may be shared).
+
+Run: ``python benchmarks/bench_counts.py`` (add ``--quick`` for fewer repetitions, ``--only
+poisson-gamma`` for the last part alone).
 """
 
 from __future__ import annotations
@@ -194,11 +201,59 @@ def bench_sweeps(quick):
     return out
 
 
+def bench_poisson_gamma(quick):
+    """CPU seconds of the 30-cell Poisson-gamma posterior: conjugate update vs NUTS."""
+    import numpyro
+    import numpyro.distributions as dist
+    from d3pext.handlers.privatize import privatize_counts
+    from d3pext.inference.mcmc import CachedMCMC
+    from d3pext.releases.mechanisms import GeometricMechanism
+
+    def model(n, counts=None):
+        rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5))
+        with numpyro.plate("cells", n):
+            numpyro.sample("y", dist.Poisson(rate), obs=counts)
+
+    cells = 30
+    private = privatize_counts(model, site="y", mechanism=GeometricMechanism.from_alpha(0.5))
+    counts = random.poisson(random.key(0), 4.0, (cells,))
+    release = make_release(private, cells, counts, rng_key=1, reproducible=True)
+    warmup, samples = (500, 1000) if quick else (1000, 4000)
+    rows = []
+    for conjugate in (True, False):
+        kernel = PrivatePosterior(private, release, "gibbs", conjugate=conjugate)
+        mcmc = CachedMCMC(kernel, num_warmup=warmup, num_samples=samples, num_chains=4,
+                    chain_method="vectorized", progress_bar=False)
+        times = []
+        for key in (2, 3):
+            t = time.process_time()
+            mcmc.run(random.key(key), cells)
+            rate = jax.block_until_ready(mcmc.get_samples()["rate"])
+            times.append(time.process_time() - t)
+        rows.append(("conjugate gamma" if conjugate else "NUTS", *times, float(rate.mean()), float(rate.std())))
+    return rows, (warmup, samples)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    quick = parser.parse_args().quick
+    parser.add_argument("--only", choices=["poisson-gamma"], default=None)
+    cli = parser.parse_args()
+    quick = cli.quick
     print(f"# {platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if cli.only != "poisson-gamma":
+        _bessel_and_sweeps(quick)
+    rows, (warmup, samples) = bench_poisson_gamma(quick)
+    print(f"\nPoisson-gamma, 30 privatized cells, 4 chains x ({warmup} warmup + {samples} draws), CPU seconds")
+    print(f"{'rate update':<16} {'1st run':>8} {'2nd run':>8} {'mean':>7} {'sd':>6}")
+    for name, first, second, mean, sd in rows:
+        print(f"{name:<16} {first:8.1f} {second:8.2f} {mean:7.3f} {sd:6.3f}")
+    (_, c1, c2, *_), (_, n1, n2, *_) = rows
+    # CachedMCMC: the second run reuses the compiled sampler (numpyro's MCMC would compile again)
+    print(f"speed-up of the conjugate update: first run {n1 / c1:.1f}x, second run {n2 / c2:.1f}x")
+
+
+def _bessel_and_sweeps(quick):
     print("\nBessel draws per second")
     print(f"{'nu':>6} {'a':>7} {'d3pext (JAX)':>14} {'NumPy loop':>12} {'ratio':>8}")
     for nu, a, j, n in bench_bessel(quick):

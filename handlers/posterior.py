@@ -27,6 +27,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.primitives import Messenger
 from numpyro.util import is_prng_key
 
+from d3pext.inference.mcmc import CachedMCMC
 from d3pext.inference.registry import backends, build_kernel, method_kind
 from d3pext.inference.structure import RELEASES_KWARG, inspect_model
 
@@ -208,7 +209,8 @@ def private_posterior(
     if nuts_kwargs:
         options["nuts_kwargs"] = nuts_kwargs
     kernel = PrivatePosterior(model, data, method, **options)
-    return MCMC(
+    # NumPyro's MCMC compiles its sampling loop again on every run: CachedMCMC compiles it once
+    return CachedMCMC(
         kernel,
         num_warmup=num_warmup,
         num_samples=num_samples,

@@ -29,6 +29,8 @@ from d3pext.handlers import make_release, private_posterior, sample_releases
 from d3pext.releases.mechanisms import LaplaceMechanism
 from d3pext.models.bounded_gaussian import BLOOD_LEAD, bounded_gaussian_model, private_bounded_gaussian
 
+from compilations import count_compilations
+
 BOUNDS = BLOOD_LEAD["bounds"]
 N = BLOOD_LEAD["n"]
 EPS = 0.25
@@ -196,10 +198,32 @@ def test_constrained_draws_are_feasible_and_backend_choice(x64):
     assert np.all(s["y_mean_dp_noise_var"] > 0)
     model = _model(NIG, True)
     naive = private_posterior(model, BLOOD_LEAD["release"], method="naive", num_warmup=10,
-                              num_samples=10, progress_bar=False)
+                              num_samples=10, num_chains=2, progress_bar=False)
     naive.run(jax.random.key(1), N)
     assert isinstance(naive.sampler.inner, KazanReiterGibbs) and naive.sampler.inner.naive
-    assert sorted(naive.get_samples()) == ["mu", "sigma2"]
+    first = naive.get_samples()
+    assert sorted(first) == ["mu", "sigma2"]
+    # a second run (same shapes, new key) compiles nothing (NumPyro's own MCMC compiles the
+    # sampling loop again on every run; private_posterior returns a CachedMCMC)
+    with count_compilations() as compiled:
+        naive.run(jax.random.key(2), N)
+        second = naive.get_samples()
+    assert compiled == [], compiled
+    assert not np.array_equal(first["mu"], second["mu"])
+
+
+@pytest.mark.slow
+def test_second_run_does_not_compile_slow(x64):
+    # the full Kazan & Reiter sampler through private_posterior, vectorized chains
+    mcmc = private_posterior(_model(FlatPrior(), True), BLOOD_LEAD["release"], num_warmup=20,
+                             num_samples=30, num_chains=3, progress_bar=False)
+    mcmc.run(jax.random.key(0), N)
+    first = mcmc.get_samples()["mu"]
+    with count_compilations() as compiled:
+        mcmc.run(jax.random.key(1), N)
+        second = mcmc.get_samples()["mu"]
+    assert compiled == [], compiled
+    assert second.shape == (90,) and not np.array_equal(first, second)
 
 
 def test_release_and_sensitivities(x64):

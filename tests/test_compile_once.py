@@ -1,8 +1,6 @@
 """DPSVI compiles once per model structure: a second ``run``/``update``/``init`` with the same shapes
 and a new key compiles nothing (issue: time to first result is compilation)."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,21 +10,7 @@ from numpyro.infer import Trace_ELBO
 
 from d3pext import DPSVI
 
-
-@contextlib.contextmanager
-def compilations():
-    """The XLA compilations inside the block (one entry per program compiled)."""
-    names = []
-
-    def listener(name, *args, **kwargs):
-        if name.endswith("backend_compile_duration"):
-            names.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield names
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+from compilations import count_compilations as compilations
 
 
 def model(x, batch_size=None):

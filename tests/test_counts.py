@@ -255,7 +255,10 @@ def test_bernstein_sheldon_backend_declines_records():
         assert first.name not in ("schein-bessel", "truncated-counts")
         with pytest.raises(NotApplicable, match="records"):
             first.build(pm, {})
-    assert isinstance(build_kernel(pm, "naive", {}).blocks[0][0], CountGibbs)
+    # the gamma rate of the Poisson counts gets its conjugate update; without it, NUTS
+    naive = build_kernel(pm, "naive", {})
+    assert isinstance(naive, CountGibbs) and naive.blocks[0].conjugate == ("rate",)
+    assert isinstance(build_kernel(pm, "naive", {"conjugate": False}).blocks[0][0], CountGibbs)
 
 
 def test_local_privacy_epsilon():
@@ -324,3 +327,101 @@ def test_method_beats_naive_at_high_privacy_slow():
     for seed in range(2):
         errors = _reconstruction_errors(num_docs=90, alpha0=0.8, seed=seed, num_warmup=500, num_samples=500)
         assert errors["gibbs"] < 0.8 * errors["naive"], errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Conjugate gamma update of a Poisson rate (in place of NUTS)
+# ---------------------------------------------------------------------------------------------
+
+CONJ_RELEASE = jnp.array([4, -2, 7, 1, 0, 9])
+CONJ_ALPHA = 0.5
+
+
+def _grid_posterior(release, alpha, prior_shape=2.0, prior_rate=0.5):
+    """Exact posterior of the rate on a grid: Gamma prior times the marginal likelihood of the
+    release (Poisson convolved with two-sided geometric noise), independent of the sampler."""
+    grid = np.linspace(1e-3, 25, 5000)
+    with jax.enable_x64(True):
+        loglik = np.asarray(
+            GeometricNoisedPoisson(grid[:, None], alpha).log_prob(np.asarray(release)[None]).sum(1)
+        )
+    log_post = st.gamma(prior_shape, scale=1 / prior_rate).logpdf(grid) + loglik
+    w = np.exp(log_post - log_post.max())
+    w /= w.sum()
+    mean = (grid * w).sum()
+    return grid, np.cumsum(w), mean, np.sqrt(((grid - mean) ** 2 * w).sum())
+
+
+def _check_rate_draws(rate, release, alpha):
+    """Posterior mean within 4 Monte Carlo standard errors (ESS-based) of the grid, sd within
+    10%, and a KS test of draws thinned to about one per effective sample."""
+    from numpyro.diagnostics import effective_sample_size
+
+    grid, cdf, mean, sd = _grid_posterior(release, alpha)
+    ess = float(effective_sample_size(rate))
+    draws = rate.ravel()
+    assert abs(draws.mean() - mean) < 4 * sd / np.sqrt(ess), (draws.mean(), mean, sd, ess)
+    assert abs(draws.std() - sd) < 0.1 * sd, (draws.std(), sd)
+    step = max(1, int(np.ceil(draws.size / ess)))
+    assert st.kstest(draws[::step], lambda x: np.interp(x, grid, cdf)).pvalue > GOF_THRESHOLD
+
+
+def _conj_private(extra=None):
+    import numpyro
+    import numpyro.distributions as dist
+
+    def model(n, counts=None):
+        rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5))
+        with numpyro.plate("cells", n):
+            numpyro.sample("y", dist.Poisson(extra(rate) if extra else rate), obs=counts)
+
+    return privatize_counts(model, site="y", mechanism=GeometricMechanism.from_alpha(CONJ_ALPHA))
+
+
+def test_conjugate_rate_update_detected():
+    import numpyro
+    import numpyro.distributions as dist
+
+    data = {"y_dp": CONJ_RELEASE}
+    args = (CONJ_RELEASE.size,)
+    inner = PrivatePosterior(_poisson_private(), data, "gibbs").prepare(args)
+    assert isinstance(inner, CountGibbs) and inner.blocks[0].conjugate == ("rate",)
+    # off on request, and where the rate is not the Poisson rate itself: NUTS
+    nuts = PrivatePosterior(_poisson_private(), data, "gibbs", conjugate=False).prepare(args)
+    assert type(nuts).__name__ == "Gibbs"
+    doubled = PrivatePosterior(_conj_private(lambda r: 2 * r), data, "gibbs").prepare(args)
+    assert type(doubled).__name__ == "Gibbs"
+
+    # nor where the rate enters another factor
+    def shared(n, counts=None):
+        rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5))
+        numpyro.sample("other", dist.Normal(rate, 1.0), obs=3.0)
+        with numpyro.plate("cells", n):
+            numpyro.sample("y", dist.Poisson(rate), obs=counts)
+
+    private = privatize_counts(shared, site="y", mechanism=GeometricMechanism.from_alpha(CONJ_ALPHA))
+    assert type(PrivatePosterior(private, data, "gibbs").prepare(args)).__name__ == "Gibbs"
+
+
+def _poisson_private():
+    return privatize_counts(_poisson_model, site="y", mechanism=GeometricMechanism.from_alpha(CONJ_ALPHA))
+
+
+def test_conjugate_rate_posterior_matches_grid():
+    mcmc = private_posterior(_poisson_private(), {"y_dp": CONJ_RELEASE}, num_warmup=500,
+                             num_samples=5000, num_chains=4, progress_bar=False)
+    mcmc.run(random.PRNGKey(3), CONJ_RELEASE.size)
+    assert isinstance(mcmc.sampler.inner, CountGibbs)
+    _check_rate_draws(np.asarray(mcmc.get_samples(group_by_chain=True)["rate"]), CONJ_RELEASE, CONJ_ALPHA)
+
+
+@pytest.mark.slow
+def test_conjugate_and_nuts_rate_posteriors_agree_slow():
+    from numpyro.infer import MCMC
+
+    for conjugate in (True, False):
+        kernel = PrivatePosterior(_poisson_private(), {"y_dp": CONJ_RELEASE}, "gibbs", conjugate=conjugate)
+        mcmc = MCMC(kernel, num_warmup=1000, num_samples=10000, num_chains=4,
+                    chain_method="vectorized", progress_bar=False)
+        mcmc.run(random.PRNGKey(4), CONJ_RELEASE.size)
+        _check_rate_draws(np.asarray(mcmc.get_samples(group_by_chain=True)["rate"]), CONJ_RELEASE, CONJ_ALPHA)

@@ -22,10 +22,11 @@ def _missing_requirements() -> str:
     return ", ".join(missing)
 
 
-# Notebooks whose CI size still takes minutes of CPU (compiling several flow trainers, or the four
-# constrained-regression samplers): run with ``pytest -m slow``; their code paths have fast twins in
-# the unit tests (test_sbi.py, test_regression.py).
-HEAVY = {"sppe_sple.ipynb", "constrained_regression.ipynb"}
+# Notebooks whose CI size still takes over a minute of CPU, almost all of it compiling (several flow
+# trainers; the four constrained-regression samplers; six Kazan & Reiter samplers; six Poisson-factorization
+# Gibbs samplers): run with ``pytest -m slow``; their code paths have fast twins in the unit tests
+# (test_sbi.py, test_regression.py, test_bounded.py, test_counts.py).
+HEAVY = {"sppe_sple.ipynb", "constrained_regression.ipynb", "bounded_gaussian.ipynb", "locally_private_counts.ipynb"}
 
 
 @pytest.mark.parametrize(

@@ -369,3 +369,54 @@ def test_tgm_rejection_regimes_gof(x64):
     _, u, _, _ = tgm_batch(12, beta, tau, upper, alpha=alpha, lam=lam)
     for params, ui in zip(zip(alpha, beta, lam, tau, upper), u):
         assert pit_gof(ui) > GOF_THRESHOLD, params
+
+
+# ---------------------------------------------------------------------------------------------
+# fallback=False (the Kazan & Reiter sweep): no inversion compiled, the same exact rejection law
+
+
+@jax.jit
+def _no_fallback_batch(key, a, rate, low, high, alpha, beta, lam, tau, upper):
+    from d3pext.distributions.truncated_gamma import tgm_from_uniforms, truncated_gamma_from_uniforms
+
+    def one_gamma(k, *p):
+        k_u, k_r = jax.random.split(k)
+        u = jax.random.uniform(k_u, (2, TGM_SAMPLES), jnp.float64, minval=1e-300)
+        return truncated_gamma_from_uniforms(u, k_r, *p, fallback=False)
+
+    def one_tgm(k, *p):
+        k_u, k_r = jax.random.split(k)
+        u = jax.random.uniform(k_u, (2, TGM_SAMPLES), jnp.float64, minval=1e-300)
+        x = tgm_from_uniforms(u, k_r, *p, fallback=False)
+        return x, TGM(*p).cdf(x)
+
+    k1, k2 = jax.random.split(key)
+    gamma = jax.vmap(one_gamma)(jax.random.split(k1, a.shape[0]), a, rate, low, high)
+    return gamma, jax.vmap(one_tgm)(jax.random.split(k2, alpha.shape[0]), alpha, beta, lam, tau, upper)
+
+
+def test_rejection_without_fallback_gof(x64):
+    cases = REJECTION_GAMMA_CASES[:8]
+    tgm_cases = [(21.0, 1e4, 10.75, 0.22, math.inf), (21.0, 100.0, 10.75, 0.22, 0.25),
+                 (0.5, 100.0, 10.75, 0.02, 0.25), (21.0, 2e8, 10.75, 0.22, 0.25)]
+    params = [jnp.array(v, jnp.float64) for v in zip(*cases)]
+    tgm_params = [jnp.array(v, jnp.float64) for v in zip(*tgm_cases)]
+    x, (y, u) = _no_fallback_batch(jax.random.key(31), *params, *tgm_params)
+    for (a, rate, low, high), xi in zip(cases, np.asarray(x)):
+        assert np.all((xi >= low) & (xi <= high)), (a, rate, low, high)
+        assert pit_gof(_gamma_pit(xi, a, rate, low, high)) > GOF_THRESHOLD, (a, rate, low, high)
+    for p, yi, ui in zip(tgm_cases, np.asarray(y), np.asarray(u)):
+        assert np.all((yi > 0) & (yi <= p[-1])), p
+        assert pit_gof(ui) > GOF_THRESHOLD, p
+
+
+def test_rejection_without_fallback_nan_parameters(x64):
+    from d3pext.distributions.truncated_gamma import truncated_gamma_from_uniforms
+
+    u = jnp.full((2, 3), 0.5)
+    x = truncated_gamma_from_uniforms(
+        u, jax.random.key(0), jnp.array([2.0, jnp.nan, 2.0]), 1.0, jnp.array([0.0, 0.0, jnp.nan]),
+        fallback=False,
+    )
+    x = np.asarray(x)
+    assert np.isfinite(x[0]) and np.isnan(x[1]) and np.isnan(x[2])

@@ -366,8 +366,15 @@ def _is_concrete(*args) -> bool:
 # lax.while_loop (under vmap only while some lane still rejects), for at most _MAX_ROUNDS rounds;
 # a lane still rejecting then (probability < 0.55^63 for valid parameters; NaN parameters) gets
 # the exact inversion draw (truncated_gamma_icdf / TGM.icdf_pair), which is therefore exact too.
+# With fallback=False (the Kazan & Reiter sweep) the inversion is not compiled at all (it is
+# about three quarters of the sampler's compile time: each incomplete gamma evaluation compiles
+# to a large program): lanes with NaN parameters stop at once (NaN), the others keep rejecting
+# for up to _LONG_ROUNDS rounds and only then give NaN, which happens with probability
+# < 0.64^1023 < 1e-198 for valid parameters (acceptance >= 0.46 above, >= 1/e below shape 1):
+# the draws are those of the exact rejection sampler.
 
 _MAX_ROUNDS = 64
+_LONG_ROUNDS = 1024
 
 
 def _log_concave_envelope(a, beta, lam, tau, low, high):
@@ -463,10 +470,18 @@ def _retry_keys(retry_key):
 
 def _by_rejection(propose, u, retry_key, fallback, params):
     """Run ``propose(u) -> (x, accepted)`` until every component accepted (see above); a
-    component still rejecting after ``_MAX_ROUNDS`` gets ``fallback(u, *params)``."""
+    component still rejecting after ``_MAX_ROUNDS`` gets ``fallback(u, *params)``, or, with
+    ``fallback=None``, after ``_LONG_ROUNDS`` gets NaN (NaN parameters: NaN at once)."""
     shape, dtype = u.shape[1:], u.dtype
     retry_key = _retry_keys(retry_key)
     x, ok = propose(u)
+    rounds = _MAX_ROUNDS if fallback is not None else _LONG_ROUNDS
+    if fallback is None:
+        invalid = jnp.zeros(shape, bool)
+        for p in params:
+            invalid = invalid | jnp.isnan(p)
+        ok = ok | invalid
+        x = jnp.where(invalid, jnp.nan, x)
 
     def retry(carry):
         i, x, ok = carry
@@ -474,8 +489,10 @@ def _by_rejection(propose, u, retry_key, fallback, params):
         return i + 1, jnp.where(ok, x, x_new), ok | accepted
 
     _, x, ok = lax.while_loop(
-        lambda c: (c[0] < _MAX_ROUNDS) & ~jnp.all(c[2]), retry, (jnp.int32(1), x, ok)
+        lambda c: (c[0] < rounds) & ~jnp.all(c[2]), retry, (jnp.int32(1), x, ok)
     )
+    if fallback is None:
+        return jnp.where(ok, x, jnp.nan)
 
     def invert(carry):
         x, done = carry
@@ -504,15 +521,19 @@ def truncated_gamma_from_uniforms(
     rate: ArrayLike,
     low: ArrayLike = 0.0,
     high: ArrayLike = float("inf"),
+    fallback: bool = True,
 ) -> Array:
     """Exact draws of ``Gamma(concentration, rate)`` restricted to ``[low, high]`` by rejection.
 
     ``u``: ``(2, *shape)`` uniforms on ``(0, 1)`` for the first proposal; ``retry_key`` (a key,
-    or a function ``i -> key`` for ``1 <= i <= 65``, e.g. ``SweepDraws.retry_keys()``) gives the
-    uniforms of later proposals (drawn only while some component rejects). Log-concave envelope
-    for ``concentration >= 1``, power/exponential envelope below (see the notes above
-    ``_log_concave_envelope`` in the source); no incomplete gamma function is evaluated except
-    in the exact fallback after ``_MAX_ROUNDS`` rejections in a row.
+    or a function ``i -> key`` for ``1 <= i <= 65``, ``1 <= i <= 1025`` with ``fallback=False``,
+    e.g. ``SweepDraws.retry_keys()``) gives the uniforms of later proposals (drawn only while
+    some component rejects). Log-concave envelope for ``concentration >= 1``, power/exponential
+    envelope below (see the notes above ``_log_concave_envelope`` in the source); no incomplete
+    gamma function is evaluated except in the exact inversion fallback after ``_MAX_ROUNDS``
+    rejections in a row. ``fallback=False`` compiles no inversion (about three quarters of the
+    compile time): a component keeps rejecting for up to 1023 rounds (probability ``< 1e-198``
+    for valid parameters) and then, as for NaN parameters, is NaN.
 
     >>> import jax.numpy as jnp
     >>> from jax import random
@@ -548,10 +569,10 @@ def truncated_gamma_from_uniforms(
             y, ok = jnp.where(big, y_b, y_s), jnp.where(big, ok_b, ok_s)
         return y / rate, ok
 
-    def fallback(u, a, rate, low, high):
+    def invert(u, a, rate, low, high):
         return truncated_gamma_icdf(u[0], a, rate, low, high)
 
-    return _by_rejection(propose, u, retry_key, fallback, (a, rate, low, high))
+    return _by_rejection(propose, u, retry_key, invert if fallback else None, (a, rate, low, high))
 
 
 def tgm_from_uniforms(
@@ -562,9 +583,10 @@ def tgm_from_uniforms(
     lam: ArrayLike,
     tau: ArrayLike,
     upper: ArrayLike = float("inf"),
+    fallback: bool = True,
 ) -> Array:
-    """Exact draws of ``TGM(alpha, beta, lam, tau, upper)`` by rejection (``u``, ``retry_key`` as
-    in :func:`truncated_gamma_from_uniforms`).
+    """Exact draws of ``TGM(alpha, beta, lam, tau, upper)`` by rejection (``u``, ``retry_key``,
+    ``fallback`` as in :func:`truncated_gamma_from_uniforms`).
 
     ``alpha >= 1`` (always in Kazan & Reiter): the density is log-concave and is drawn directly,
     without choosing a component, so without any incomplete gamma function. ``alpha < 1``: the
@@ -590,7 +612,8 @@ def tgm_from_uniforms(
         # the component, once, outside the loop (a choice per proposal would favour the component
         # with the higher acceptance rate)
         (lw1, lw2), first, second = _tgm_parts(alpha, beta, lam, tau, upper)
-        u_pick = _open_uniform(_retry_keys(retry_key)(_MAX_ROUNDS + 1), shape, dtype)
+        pick = (_MAX_ROUNDS if fallback else _LONG_ROUNDS) + 1  # a key no retry round uses
+        u_pick = _open_uniform(_retry_keys(retry_key)(pick), shape, dtype)
         choose = jnp.log(u_pick) < lw1 - jnp.logaddexp(lw1, lw2)
         rate, lo, hi = (jnp.where(choose, c1, c2) for c1, c2 in zip(first[:3], second[:3]))
         small_env = _small_shape_envelope(jnp.where(big, 0.5, alpha), lo * rate, hi * rate)
@@ -607,10 +630,11 @@ def tgm_from_uniforms(
         (x_s, ok_s), (x_b, ok_b) = (p(u) for p in proposals)
         return jnp.where(big, x_b, x_s), jnp.where(big, ok_b, ok_s)
 
-    def fallback(u, *params):
+    def invert(u, *params):
         return TruncatedGammaMixture(*params).icdf_pair(u)
 
-    return _by_rejection(propose, u, retry_key, fallback, (alpha, beta, lam, tau, upper))
+    params = (alpha, beta, lam, tau, upper)
+    return _by_rejection(propose, u, retry_key, invert if fallback else None, params)
 
 
 class TruncatedGammaMixture(Distribution):

@@ -6,6 +6,8 @@
   ``register_backend`` for new ones;
 - :mod:`~d3pext.inference.gibbs_base` and :mod:`~d3pext.inference.draws`: the base class of the
   data-augmentation Gibbs kernels and the uniform-driven samplers they share;
+- :mod:`~d3pext.inference.mcmc`: ``CachedMCMC``, NumPyro's ``MCMC`` whose sampling loop is compiled
+  once per kernel and settings (``private_posterior`` returns one: a second ``run`` compiles nothing);
 - backends:
 
   - :mod:`~d3pext.inference.expfam_backend` with the kernel :mod:`~d3pext.inference.expfam_gibbs`:

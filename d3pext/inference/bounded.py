@@ -518,9 +518,11 @@ class KazanReiterGibbs(ConstrainedGibbsKernel):
         floor = 2 * self.lam2 / (n - 1)
         if spec.constrained:
             floor = jnp.maximum(floor, 1 / (mu * (1 - mu)))
-        # exact rejection sampler (no incomplete gamma); retry keys i and 2**20 + i: disjoint
+        # exact rejection samplers (no incomplete gamma, no inversion fallback compiled: see
+        # truncated_gamma_from_uniforms); retry keys i and 2**20 + i: disjoint
         precision = truncated_gamma_from_uniforms(
-            (1 + w[:, 1]) / 2, lambda i: random.fold_in(key_retry, i), shape, rate, floor, unbounded
+            (1 + w[:, 1]) / 2, lambda i: random.fold_in(key_retry, i), shape, rate, floor, unbounded,
+            fallback=False,
         )
         sigma2 = 1 / precision
         z[mu_site], z[var_site] = mu, sigma2
@@ -542,7 +544,7 @@ class KazanReiterGibbs(ConstrainedGibbsKernel):
         upper = n / (n - 1) * ybar * (1 - ybar) if spec.constrained else unbounded
         s2 = tgm_from_uniforms(
             (1 + w[:, 4]) / 2, lambda i: random.fold_in(key_retry, 2**20 + i),
-            (n - 1) / 2, (n - 1) / (2 * sigma2), self.lam2, yv, upper,
+            (n - 1) / 2, (n - 1) / (2 * sigma2), self.lam2, yv, upper, fallback=False,
         )
         z[self._names["ybar"]], z[self._names["omega2"]], z[self._names["s2"]] = ybar, omega2, s2
         return z

@@ -19,8 +19,10 @@ kernel; it is built by the ``private_posterior`` backends registered here:
 - ``"naive"`` / ``"truncated-counts"``: the release, negative counts truncated at zero, taken as
   the exact counts (the paper's naive baseline, i.e. the truncated geometric mechanism).
 
-The other latent sites are updated either by the model's declared non-private Gibbs updates or,
-if it declares none, by NUTS (as a block of :class:`numpyro.infer.Gibbs`). A model declares its
+The other latent sites are updated by the model's declared non-private Gibbs updates, by a
+conjugate gamma update where a ``Gamma`` site is the Poisson rate of the counts (given the counts
+``y_1..y_n`` its full conditional is ``Gamma(a + sum y, b + n)``; detected by
+:func:`poisson_gamma_sites`), or else by NUTS (as a block of :class:`numpyro.infer.Gibbs`). A model declares its
 updates on the count site: ``numpyro.sample("y", dist.Poisson(mu), infer={"count_updates":
 updates})`` with ``updates`` a :class:`CountUpdates` (see :mod:`d3pext.models.poisson_factorization`).
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -63,6 +66,7 @@ __all__ = [
     "augment_counts",
     "count_kernel",
     "noise_rate_site",
+    "poisson_gamma_sites",
     "sample_true_counts",
 ]
 
@@ -154,6 +158,9 @@ class CountBlock:
     :param log_alpha: ``log(alpha)`` of the mechanism, broadcastable to the counts.
     :param naive: take the release, truncated at zero, as the exact counts.
     :param updates: the model's :class:`CountUpdates`, or ``None`` (NUTS updates the rest).
+    :param conjugate: ``Gamma`` sites whose value is the Poisson rate of these counts and that
+        enter no other factor (:func:`poisson_gamma_sites`): drawn from their conjugate full
+        conditional ``Gamma(a + sum counts, b + number of counts)`` after the counts.
     """
 
     source: str
@@ -162,11 +169,12 @@ class CountBlock:
     log_alpha: Any
     naive: bool = False
     updates: CountUpdates | None = None
+    conjugate: tuple[str, ...] = ()
 
     @property
     def sites(self) -> tuple[str, ...]:
         own = (self.source,) if self.naive else (self.source, self.noise_rates)
-        return own + (tuple(self.updates.sites) if self.updates is not None else ())
+        return own + (tuple(self.updates.sites) if self.updates is not None else ()) + self.conjugate
 
 
 class CountGibbsState(NamedTuple):
@@ -206,6 +214,8 @@ class CountGibbs(ConstrainedGibbsKernel):
     >>> from jax import random
     >>> import numpyro, numpyro.distributions as dist
     >>> from d3pext.handlers import private_posterior
+    >>> from d3pext.handlers.privatize import privatize_counts
+    >>> from d3pext.releases.counts import limited_precision_mechanism
     >>> def model(n):
     ...     rate = numpyro.sample("rate", dist.Gamma(2.0, 0.2))
     ...     with numpyro.plate("cells", n):
@@ -216,6 +226,8 @@ class CountGibbs(ConstrainedGibbsKernel):
     >>> mcmc.run(random.key(0), 5)
     >>> sorted(mcmc.get_samples())
     ['rate', 'y', 'y_dp_noise_rates']
+    >>> mcmc.sampler.inner.blocks[0].conjugate  # the gamma rate: conjugate update, no NUTS
+    ('rate',)
     """
 
     def __init__(self, model: Callable, blocks: Sequence[CountBlock]) -> None:
@@ -285,6 +297,10 @@ class CountGibbs(ConstrainedGibbsKernel):
                 z[blk.noise_rates] = jnp.where(ok[..., None], lam, z[blk.noise_rates])
                 failures = failures + jnp.sum(~ok).astype(jnp.int32)
             z[blk.source] = counts
+            for j, name in enumerate(blk.conjugate):
+                z[name] = _conjugate_gamma_draw(
+                    random.fold_in(keys[2 * i + 1], 2**20 + j), tr[name]["fn"], counts, z[name]
+                )
             if blk.updates is not None:
                 values = {name: z[name] for name in blk.updates.sites}
                 new = blk.updates(keys[2 * i + 1], values, counts)
@@ -293,6 +309,82 @@ class CountGibbs(ConstrainedGibbsKernel):
 
     def get_diagnostics_str(self, state) -> str:
         return f"{int(state.num_failures)} Bessel failures" if state.num_failures.ndim == 0 else ""
+
+
+def _gamma(fn: dist.Distribution) -> dist.Gamma | None:
+    """The ``Gamma`` under expand/to_event wrappers (not under a mask), or ``None``."""
+    while isinstance(fn, (ExpandedDistribution, Independent)):
+        fn = fn.base_dist
+    return fn if type(fn) is dist.Gamma else None
+
+
+def _sum_to_shape(x: Array, shape: tuple[int, ...]) -> Array:
+    """Sum ``x`` over the axes along which ``shape`` was broadcast to ``x.shape``."""
+    lead = x.ndim - len(shape)
+    x = jnp.sum(x, axis=tuple(range(lead))) if lead else x
+    axes = tuple(i for i, (d, e) in enumerate(zip(shape, x.shape)) if d == 1 and e != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _conjugate_gamma_draw(rng_key: Array, prior: dist.Distribution, counts: Array, value: Array) -> Array:
+    """Draw of a Poisson rate from ``Gamma(a + sum counts, b + number of counts)`` (the sums over
+    the counts that share one rate); ``prior`` is the traced ``Gamma`` site."""
+    gamma = _gamma(prior)
+    shape = jnp.shape(value)
+    dtype = jnp.result_type(value)
+    counts = jnp.asarray(counts, dtype)
+    a = jnp.broadcast_to(gamma.concentration, shape) + _sum_to_shape(counts, shape)
+    b = jnp.broadcast_to(gamma.rate, shape) + _sum_to_shape(jnp.ones_like(counts), shape)
+    draw = random.gamma(rng_key, a, shape, dtype) / b
+    return jnp.maximum(draw, jnp.finfo(dtype).tiny)
+
+
+def poisson_gamma_sites(pm: PrivateModel, source: str, candidates: Sequence[str]) -> tuple[str, ...]:
+    """The sites among ``candidates`` that :class:`CountGibbs` can update conjugately given the
+    counts of ``source``: ``Gamma`` sites (unmasked, under expand/to_event at most) whose value,
+    broadcast, *is* the rate of the (unmasked) Poisson counts of ``source`` and is a parameter of
+    no other site of the model (read from the concrete trace of ``pm``: the checks compare values,
+    so a rate passed on through an arithmetic function, e.g. ``2 * rate``, is not recognised and
+    keeps NUTS). Then the rate's full conditional given the counts ``y_1..y_n`` is
+    ``Gamma(a + sum y, b + n)``; otherwise (no such site) NUTS keeps it.
+    """
+    site = pm.sites[source]
+    fn = site.fn
+    while isinstance(fn, (ExpandedDistribution, Independent)):
+        fn = fn.base_dist
+    if not isinstance(fn, dist.Poisson) or type(fn) is not dist.Poisson:
+        return ()
+    count_shape = np.shape(site.value)
+    poisson_rate = np.broadcast_to(np.asarray(fn.rate), count_shape)
+    found = []
+    for name in candidates:
+        cand = pm.sites[name]
+        value = np.asarray(cand.value)
+        if cand.is_observed or _gamma(cand.fn) is None or value.size == 0:
+            continue
+        try:
+            if np.broadcast_shapes(value.shape, count_shape) != count_shape:
+                continue
+        except ValueError:
+            continue
+        if not np.array_equal(np.broadcast_to(value, count_shape), poisson_rate):
+            continue
+        # the rate must enter no other factor: no other site has it as a parameter
+        used = False
+        for other_name, other in pm.sites.items():
+            if other_name in (name, source) or other_name in pm.releases:
+                continue
+            for leaf in jax.tree.leaves(other.fn):
+                leaf = np.asarray(leaf)
+                try:
+                    shape = np.broadcast_shapes(leaf.shape, value.shape)
+                except ValueError:
+                    continue
+                if leaf.size and shape == leaf.shape and np.array_equal(leaf, np.broadcast_to(value, shape)):
+                    used = True
+        if not used:
+            found.append(name)
+    return tuple(found)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,8 +472,17 @@ def _count_blocks(pm: PrivateModel, naive: bool) -> list[CountBlock]:
 
 def count_kernel(pm: PrivateModel, options: dict, naive: bool) -> MCMCKernel:
     """:class:`CountGibbs` for the count releases of ``pm``, with NUTS for the latent sites that
-    no declared :class:`CountUpdates` owns."""
+    neither a declared :class:`CountUpdates` nor a conjugate gamma update
+    (:func:`poisson_gamma_sites`; ``options["conjugate"] = False`` turns it off) owns."""
     blocks = _count_blocks(pm, naive)
+    if options.get("conjugate", True):
+        owned = {name for blk in blocks for name in blk.sites}
+        for i, blk in enumerate(blocks):
+            rest = [name for name in pm.latent if name not in owned]
+            conj = poisson_gamma_sites(pm, blk.source, rest)
+            if conj:
+                blocks[i] = dataclasses.replace(blk, conjugate=conj)
+                owned.update(conj)
     aug = augment_counts(pm.model, pm.releases, naive=naive)
     kernel = CountGibbs(aug, blocks)
     owned = set(kernel.sites)

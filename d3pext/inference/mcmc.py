@@ -1,0 +1,118 @@
+"""``CachedMCMC``: ``numpyro.infer.MCMC`` whose later runs with the same shapes do not compile.
+
+NumPyro's ``fori_collect`` wraps its loop body in a fresh ``jax.jit`` object on every
+``MCMC.run`` and hands that object to the jitted ``_fori_collect_loop`` as a *static* argument.
+A new object is a new static argument, so every run traces the loop again and hands XLA a new
+module: the whole sampler (seconds to minutes for a Gibbs sweep with rejection loops) is
+compiled again although nothing changed. :class:`CachedMCMC` replaces that one step (the
+collection loop, without a progress bar) by a module-level jitted function whose static
+arguments are the kernel's cached sample and postprocess functions
+(``MCMC._get_cached_fns``, keyed on the model arguments) and the collection settings; the
+chain state (keys included) is an ordinary argument. A second ``run`` with the same shapes and
+arguments, whatever its key, reuses the compiled loop. Everything else (initialisation,
+warmup/sampling phases, ``chain_method``, ``extra_fields``, thinning) is ``MCMC``'s own.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from operator import attrgetter
+from typing import Callable
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from numpyro.infer import MCMC
+
+__all__ = ["CachedMCMC"]
+
+
+def _collect_transform(postprocess_fn: Callable, collect_fields: tuple, remove_sites: tuple):
+    """The fields collected from a loop value ``(state, *model args)`` (as NumPyro collects them)."""
+
+    def transform(val):
+        state = val[0]
+        fields = [attrgetter(f)(state) for f in collect_fields]
+        fields[0] = postprocess_fn(fields[0], *val[1:])
+        if remove_sites:
+            fields[0] = {k: v for k, v in fields[0].items() if k not in remove_sites}
+        return fields[0] if len(collect_fields) == 1 else fields
+
+    return transform
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _collect_loop(
+    body_fun, postprocess_fn, collect_fields, remove_sites, lower, upper, thinning, size, init_val
+):
+    """``upper`` steps of ``body_fun`` from ``init_val``; every ``thinning``-th value from
+    ``lower`` on is collected (the last ``(upper - lower) // thinning``), padded with zeros to
+    ``size``. Returns ``(collection, last value)``."""
+    transform = _collect_transform(postprocess_fn, collect_fields, remove_sites)
+    count = (upper - lower) // thinning
+    start = lower + (upper - lower) % thinning
+
+    def steps(num, val):
+        return lax.fori_loop(0, num, lambda _, v: body_fun(v), val) if num else val
+
+    val = steps(start, init_val)
+
+    def collect(val, _):
+        val = steps(thinning, val)
+        return val, transform(val)
+
+    if count:
+        val, collection = lax.scan(collect, val, None, length=count)
+    else:
+        template = jax.eval_shape(transform, init_val)
+        collection = jax.tree.map(lambda t: jnp.zeros((0, *t.shape), t.dtype), template)
+    if size > count:  # NumPyro's convention: the entries past the collected ones are zeros
+        collection = jax.tree.map(
+            lambda c: jnp.concatenate([c, jnp.zeros((size - count, *c.shape[1:]), c.dtype)]),
+            collection,
+        )
+    return collection, val
+
+
+class CachedMCMC(MCMC):
+    """``numpyro.infer.MCMC`` whose collection loop is compiled once per kernel, arguments and
+    shapes: a second ``run`` (new key, same shapes) does not compile the sampler again.
+
+    NumPyro compiles the loop again on every ``run`` (see the module docstring). The arguments
+    are those of ``MCMC``; with ``progress_bar=True`` the loop is NumPyro's own.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import numpyro, numpyro.distributions as dist
+    >>> from numpyro.infer import NUTS
+    >>> def model():
+    ...     numpyro.sample("x", dist.Normal(0.0, 1.0))
+    >>> mcmc = CachedMCMC(NUTS(model), num_warmup=50, num_samples=100, progress_bar=False)
+    >>> mcmc.run(jax.random.key(0))
+    >>> mcmc.run(jax.random.key(1))  # reuses the compiled loop
+    >>> mcmc.get_samples()["x"].shape
+    (100,)
+    """
+
+    def _single_chain_mcmc(self, init, args, kwargs, collect_fields, remove_sites):
+        if self.progress_bar:
+            return super()._single_chain_mcmc(init, args, kwargs, collect_fields, remove_sites)
+        rng_key, init_state, init_params = init
+        if init_state is None or getattr(self.sampler, "_sample_fn", None) is None:
+            new_state = self.sampler.init(
+                rng_key, self.num_warmup, init_params, model_args=args, model_kwargs=kwargs
+            )
+            init_state = new_state if init_state is None else init_state
+        sample_fn, postprocess_fn = self._get_cached_fns()
+        init_val = (init_state, args, kwargs) if self._jit_model_args else (init_state,)
+        params = self._collection_params
+        lower, upper = params["lower"], params["upper"]
+        size = params["collection_size"]
+        count = (upper - lower) // self.thinning
+        size = count if size is None else max(size // self.thinning, count)
+        collection, last_val = _collect_loop(
+            sample_fn, postprocess_fn, tuple(collect_fields), tuple(remove_sites),
+            lower, upper, self.thinning, size, init_val,
+        )
+        states = (collection,) if len(collect_fields) == 1 else tuple(collection)
+        return dict(zip(collect_fields, states)), last_val[0]
