@@ -429,3 +429,18 @@ def test_clipping_choice_is_validated_and_auto_picks_by_size(data):
     svi.init(jax.random.key(0), x, y)
     assert svi._clipping_mode({"w": jnp.zeros(3)}) == "materialize"  # 100 x 3 values
     assert svi._clipping_mode({"w": jnp.zeros((400, 784))}) == "ghost"  # 100 x 313,600 values
+
+
+def test_noise_is_one_standard_normal_draw_per_dtype():
+    # the noise of all parameter arrays of one dtype comes from one draw (one compiled hash), split
+    # into the arrays' shapes: standard normal, independent across arrays and entries
+    from d3pext.training.svi import _standard_normals
+
+    like = [jnp.zeros((3, 4)), jnp.zeros((5,), jnp.bfloat16), jnp.zeros((2,))]
+    draws = jax.vmap(lambda k: _standard_normals(k, like))(jax.random.split(jax.random.key(3), 4000))
+    assert [d.shape[1:] for d in draws] == [(3, 4), (5,), (2,)]
+    assert [d.dtype for d in draws] == [jnp.float32, jnp.bfloat16, jnp.float32]
+    flat = np.concatenate([np.asarray(d, np.float64).reshape(4000, -1) for d in draws], axis=1)
+    assert np.all(np.abs(flat.mean(0)) < 0.08) and np.all(np.abs(flat.std(0) - 1) < 0.06)
+    corr = np.corrcoef(flat, rowvar=False)[np.triu_indices(flat.shape[1], 1)]
+    assert np.max(np.abs(corr)) < 0.08  # 4000 draws: sd of a null correlation 0.016, 171 pairs

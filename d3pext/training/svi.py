@@ -180,6 +180,24 @@ def _site_log_prob(site) -> jnp.ndarray:
     return jnp.sum(log_prob)
 
 
+def _is_threefry(key: jax.Array) -> bool:
+    return str(jax.random.key_impl(key)) == "threefry2x32"
+
+
+def _standard_normals(key: jax.Array, like: list) -> list:
+    """Independent standard normals shaped like each array of ``like``, from one draw per dtype (one
+    draw compiles one copy of the key's hash, however many parameter arrays there are)."""
+    out = [None] * len(like)
+    for dtype in dict.fromkeys(jnp.dtype(x.dtype) for x in like):
+        members = [i for i, x in enumerate(like) if jnp.dtype(x.dtype) == dtype]
+        sizes = [int(np.prod(like[i].shape)) for i in members]
+        group_key = key if members[0] == 0 else random.fold_in(key, members[0])
+        z = random.normal(group_key, (sum(sizes),), dtype)
+        for i, start, size in zip(members, np.cumsum([0] + sizes[:-1]), sizes):
+            out[i] = z[start:start + size].reshape(like[i].shape)
+    return out
+
+
 def _split_kwargs(kwargs: dict) -> tuple[dict, tuple]:
     """Arrays are traced under jit, everything else is a static (hashable) argument."""
     dynamic = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
@@ -758,10 +776,12 @@ class DPSVI(SVI):
         """Noisy, clipped and rescaled gradient of the negative ELBO, the (non-private) loss estimate
         and the number of sampled records dropped for a non-finite loss or gradient."""
         structure = self.structure
-        batch_key, elbo_key, noise_key = random.split(rng_key, 3)
+        # one key, or the three keys already split off by the caller (_step)
+        batch_key, elbo_key, noise_key = random.split(rng_key, 3) if jnp.ndim(rng_key) == 0 else rng_key
         # The batch and the noise carry the privacy guarantee and use the caller's (e.g. ChaCha20) key. The
         # variational samples do not: a Threefry key keeps every JAX sampler (gamma, poisson) fast and available.
-        elbo_key = threefry_key(elbo_key)
+        if not _is_threefry(elbo_key):
+            elbo_key = threefry_key(elbo_key)
         if structure.plate_mode:
             indices, mask = self.sampler(batch_key)
             records = (indices, jnp.arange(indices.shape[0]))
@@ -790,9 +810,8 @@ class DPSVI(SVI):
         dropped = jnp.sum(mask & ~kept, dtype=jnp.int32)
         mask = kept
         leaves, treedef = jax.tree.flatten(clipped)
-        noise_keys = random.split(noise_key, len(leaves))
         scale = 1.0 / self.sampler.q  # N / B for fixed-size batches, 1 / q for Poisson ones
-        noisy = [(g + self.dp_scale * c * random.normal(k, g.shape, g.dtype)) * scale for g, k in zip(leaves, noise_keys)]
+        noisy = [(g + self.dp_scale * c * z) * scale for g, z in zip(leaves, _standard_normals(noise_key, leaves))]
         global_loss, global_grads = jax.value_and_grad(self._global_loss)(params, elbo_key, args, kwargs, indices[0] if structure.plate_mode else 0)
         grads = jax.tree.map(jnp.add, jax.tree.unflatten(treedef, noisy), global_grads)
         loss = scale * jnp.sum(jnp.where(mask, losses, 0.0)) + global_loss
@@ -804,9 +823,10 @@ class DPSVI(SVI):
 
     def _step(self, state: DPSVIState, args, dyn_kwargs, batch_mask, static_kwargs, stable: bool):
         kwargs = {**dyn_kwargs, **dict(static_kwargs)}
-        rng_key, step_key = random.split(state.rng_key)
+        keys = random.split(state.rng_key, 4)  # one split: each split compiles its own copy of the hash
         params = self.optim.get_params(state.optim_state)
-        loss, grads, dropped = self._private_grad(params, step_key, args, kwargs, stable, batch_mask)
+        loss, grads, dropped = self._private_grad(params, keys[1:], args, kwargs, stable, batch_mask)
+        rng_key = keys[0]
         # optax transformations may ask for the loss value (``update_with_value``); the loss is not private,
         # so they get NaN: value-driven schedules (line searches, reduce-on-plateau) cannot be used with DPSVI.
         value = jnp.nan if self.optim.update_with_value else None
