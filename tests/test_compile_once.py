@@ -64,3 +64,29 @@ def test_update_and_init_compile_once():
         state, loss = svi.update(state, X, batch_size=50)
         jax.block_until_ready(loss)
     assert compiled == [], f"{len(compiled)} program(s) compiled again"
+
+
+def test_planned_updates_do_not_wait_for_the_device(monkeypatch):
+    # the plan check of update reads the step count from the host's record of the states that
+    # update returned, not from the device (reading an array waits for the step that computes it)
+    svi = DPSVI(model, guide, numpyro.optim.Adam(0.05), Trace_ELBO(), clipping_threshold=2.0,
+                epsilon=1.0, num_steps=5)
+    state = svi.init(jax.random.key(0), X, batch_size=50)
+    state, _ = svi.update(state, X, batch_size=50)
+    array_type = type(state.num_steps)
+
+    def no_reads(self):
+        raise AssertionError("update read the step count from the device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(array_type, "__int__", no_reads)
+        patch.setattr(array_type, "__index__", no_reads)
+        for _ in range(4):
+            state, loss = svi.update(state, X, batch_size=50)
+    assert int(state.num_steps) == 5
+    try:
+        svi.update(state, X, batch_size=50)
+    except ValueError as error:
+        assert "exceed the planned num_steps=5" in str(error)
+    else:
+        raise AssertionError("a sixth step was not refused")

@@ -329,6 +329,7 @@ def _check_rejection_gamma(cases, seed, threshold):
         assert pit_gof(_gamma_pit(xi, a, rate, low, high)) > threshold, (a, rate, low, high)
 
 
+@pytest.mark.slow  # fast twin: test_rejection_without_fallback_gof (eight of these cases, without compiling the fallback)
 def test_truncated_gamma_rejection_gof(x64):
     _check_rejection_gamma(REJECTION_GAMMA_CASES, 11, GOF_THRESHOLD)
 

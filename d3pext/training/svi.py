@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, NamedTuple, Optional
@@ -398,6 +399,7 @@ class DPSVI(SVI):
         self._steps = {}
         self._chunks = {}
         self._isolation_checks = {}
+        self._known_steps: dict[int, int] = {}  # id(state.num_steps) -> its value, known on the host
 
     # ------------------------------------------------------------------ structure and privacy
 
@@ -866,7 +868,10 @@ class DPSVI(SVI):
         """Refuse steps beyond the planned ``num_steps`` for which sigma was calibrated."""
         if self.planned_steps is None or isinstance(state.num_steps, jax.core.Tracer):
             return
-        done = int(state.num_steps)
+        done = self._known_steps.get(id(state.num_steps))
+        if done is None:  # a state this object did not return: read the count (waits for the device)
+            done = int(state.num_steps)
+            self._remember_steps(state.num_steps, done)
         if done + num_steps > self.planned_steps:
             raise ValueError(
                 f"{num_steps} more step(s) after {done} exceed the planned num_steps={self.planned_steps} for which "
@@ -913,7 +918,7 @@ class DPSVI(SVI):
         self._check_placement(args, kwargs)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
-        return self._jitted_step(static, False)(svi_state, args, dyn, mask)
+        return self._counted(svi_state, self._jitted_step(static, False)(svi_state, args, dyn, mask))
 
     def stable_update(self, svi_state: DPSVIState, *args, **kwargs):
         """Like :meth:`update`, but robust to numerical failures without breaking privacy.
@@ -927,7 +932,20 @@ class DPSVI(SVI):
         self._check_placement(args, kwargs)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
-        return self._jitted_step(static, True)(svi_state, args, dyn, mask)
+        return self._counted(svi_state, self._jitted_step(static, True)(svi_state, args, dyn, mask))
+
+    def _counted(self, old: DPSVIState, out: tuple) -> tuple:
+        """Remember the step count of a state returned by update, so that the plan check of the next
+        update needs no device-to-host read (which would wait for this step to finish)."""
+        done = self._known_steps.get(id(old.num_steps))
+        if self.planned_steps is not None and done is not None:
+            self._remember_steps(out[0].num_steps, min(done + 1, self.planned_steps))
+        return out
+
+    def _remember_steps(self, count: jax.Array, value: int) -> None:
+        if not isinstance(count, jax.core.Tracer) and id(count) not in self._known_steps:
+            self._known_steps[id(count)] = value
+            weakref.finalize(count, self._known_steps.pop, id(count), None)
 
     def run(
         self,
