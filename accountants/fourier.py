@@ -1213,25 +1213,9 @@ def _searched_sigma(
             step *= 2.0
     (lo, f_lo), (hi, f_hi) = sorted(points[-2:])
 
-    # Shrink the bracket: each new point lies a little beyond the estimated root (inverse quadratic
-    # interpolation through the three points nearest to it, else the secant of the bracket), on the
-    # side of the end farther from it, so that each evaluation moves one end close to the root.
-    # Bisection where two steps in a row have not halved the bracket.
+    # Shrink the bracket on this grid, then check the result one grid finer (at most four grids).
     for _ in range(4):
-        widths = [hi - lo]
-        while hi - lo > width_tol:
-            root = _estimate_root(points, lo, f_lo, hi, f_hi)
-            new = root + 0.3 * width_tol if hi - root > root - lo else root - 0.3 * width_tol
-            new = min(max(new, lo + 0.1 * width_tol), hi - 0.1 * width_tol)
-            if len(widths) >= 3 and widths[-1] > 0.5 * widths[-3]:
-                new = 0.5 * (lo + hi)
-            f_new = excess(new)
-            points.append((new, f_new))
-            if f_new > 0.0:
-                lo, f_lo = new, f_new
-            else:
-                hi, f_hi = new, f_new
-            widths.append(hi - lo)
+        lo, f_lo, hi, f_hi = _shrink_bracket(excess, points, lo, f_lo, hi, f_hi, width_tol)
         # The grid's excess at the result, from one grid finer (its relative step at this sigma may differ
         # from the first point's by a factor 2): where it exceeds tol / 2, search again one grid finer.
         if level_shift is None or hi not in fourier_points or not math.isfinite(f_lo):
@@ -1264,6 +1248,32 @@ def _searched_sigma(
             "guarantee"
         )
     return SigmaResult(math.exp(hi), values[hi], evaluations)
+
+
+def _shrink_bracket(
+    excess: Callable[[float], float], points: list, lo: float, f_lo: float, hi: float, f_hi: float, width_tol: float
+) -> tuple[float, float, float, float]:
+    """Shrink ``[lo, hi]`` (``excess(lo) > 0 >= excess(hi)``) below ``width_tol``; appends to ``points``.
+
+    Each new point lies a little beyond the estimated root (:func:`_estimate_root`), on the side of the
+    end farther from it, so that each evaluation moves one end close to the root; bisection where two
+    steps in a row have not halved the bracket.
+    """
+    widths = [hi - lo]
+    while hi - lo > width_tol:
+        root = _estimate_root(points, lo, f_lo, hi, f_hi)
+        new = root + 0.3 * width_tol if hi - root > root - lo else root - 0.3 * width_tol
+        new = min(max(new, lo + 0.1 * width_tol), hi - 0.1 * width_tol)
+        if len(widths) >= 3 and widths[-1] > 0.5 * widths[-3]:
+            new = 0.5 * (lo + hi)
+        f_new = excess(new)
+        points.append((new, f_new))
+        if f_new > 0.0:
+            lo, f_lo = new, f_new
+        else:
+            hi, f_hi = new, f_new
+        widths.append(hi - lo)
+    return lo, f_lo, hi, f_hi
 
 
 def _estimate_root(points: list, lo: float, f_lo: float, hi: float, f_hi: float) -> float:

@@ -140,20 +140,7 @@ def _legacy_searched_sigma(relation, target, target_delta, q, num_steps, tol):
         else:
             step *= 2.0
     (lo, f_lo), (hi, f_hi) = sorted(points[-2:])
-    widths = [hi - lo]
-    while hi - lo > width_tol:
-        root = F._estimate_root(points, lo, f_lo, hi, f_hi)
-        new = root + 0.3 * width_tol if hi - root > root - lo else root - 0.3 * width_tol
-        new = min(max(new, lo + 0.1 * width_tol), hi - 0.1 * width_tol)
-        if len(widths) >= 3 and widths[-1] > 0.5 * widths[-3]:
-            new = 0.5 * (lo + hi)
-        f_new = excess(new)
-        points.append((new, f_new))
-        if f_new > 0.0:
-            lo, f_lo = new, f_new
-        else:
-            hi, f_hi = new, f_new
-        widths.append(hi - lo)
+    lo, f_lo, hi, f_hi = F._shrink_bracket(excess, points, lo, f_lo, hi, f_hi, width_tol)
     if not math.isfinite(f_lo):
         raise AccountingError("out of the window")
     sigma, eps, checks = F._confirmed(relation, math.exp(hi), q, num_steps, target, target_delta, tol)

@@ -24,7 +24,6 @@ import mmap
 import os
 import queue
 import threading
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any, Optional, TypeVar, Union
@@ -428,13 +427,4 @@ def fit_streaming(
         if len(losses) > in_flight:  # bound the steps in flight (each holds its batch)
             losses[-in_flight - 1].block_until_ready()
     losses_array = jnp.stack(losses)
-    report = svi.privacy_spent(state)
-    dropped = int(state.num_dropped)
-    if dropped:
-        warnings.warn(
-            f"{dropped} sampled record(s) had a non-finite loss or gradient and were left out of their steps "
-            "(privacy holds: each was a per-record decision, like clipping; the count itself is not private)",
-            UserWarning,
-            stacklevel=2,
-        )
-    return DPSVIRunResult(svi.get_params(state), state, losses_array, report)
+    return svi.run_result(state, losses_array, svi.privacy_spent(state))

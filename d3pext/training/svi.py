@@ -1009,13 +1009,17 @@ class DPSVI(SVI):
                 bar.close()
         losses = jax.device_put(np.concatenate(losses))  # (jnp.asarray compiles a program per new length)
         report = self._report(float(eps_curve[-1]), delta, done + num_steps)
+        return self.run_result(state, losses, report)
+
+    def run_result(self, state: DPSVIState, losses: jax.Array, report: PrivacyReport) -> DPSVIRunResult:
+        """The result of a run that ended in ``state``; warns if records were dropped on the way."""
         dropped = int(state.num_dropped)
         if dropped:
             warnings.warn(
                 f"{dropped} sampled record(s) had a non-finite loss or gradient and were left out of their steps "
                 "(privacy holds: each was a per-record decision, like clipping; the count itself is not private)",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         return DPSVIRunResult(self.get_params(state), state, losses, report)
 
