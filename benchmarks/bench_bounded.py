@@ -2,7 +2,8 @@
 
 One run, side by side, on the paper's Example 1 (constrained analysis, flat prior, the release
 of ``set.seed(6)``), all rates in chain-iterations per CPU-second (``time.process_time``, all
-threads of this process; the machine may be shared, so wall time is not used):
+threads of this process; the machine may be shared, so wall time is not used; on a GPU the d3pext
+rows are wall time, the NumPy reference stays CPU time of its one thread):
 
 - a plain NumPy/SciPy single chain (the R code of seed 001 Appendix L, line by line, truncated
   gammas by ``scipy.special.gammaincinv``/``gammainccinv``): the reference;
@@ -106,6 +107,18 @@ def _cpu_time(fn):
     return time.process_time() - t, out
 
 
+def _wall_time(fn):
+    """Wall seconds of ``fn()`` and its result: on an accelerator the host's CPU time says nothing."""
+    t = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return time.perf_counter() - t, out
+
+
+def _jax_time(fn):
+    """CPU seconds on the CPU backend (the machine may be shared), wall seconds on an accelerator."""
+    return (_cpu_time if jax.default_backend() == "cpu" else _wall_time)(fn)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true")
@@ -136,7 +149,8 @@ def main() -> None:
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"JAX {jax.__version__} on {jax.default_backend()}, float64; rates in chain-iterations "
-          "per CPU-second")
+          + ("per CPU-second" if jax.default_backend() == "cpu" else
+             f"per second: d3pext wall time on {jax.devices()[0].device_kind}, NumPy CPU time"))
     print(f"NumPy single chain (reference): {numpy_rate:10.0f}   "
           f"(posterior mean of mu {100 * draws[numpy_iter // 5:, 0].mean():.1f})")
     model = private_bounded_gaussian(eps, eps, e["bounds"], FlatPrior(), constrained=True)
@@ -148,9 +162,9 @@ def main() -> None:
             model, e["release"], num_warmup=num_iter // 5, num_samples=num_iter - num_iter // 5,
             num_chains=num_chains, chain_method="vectorized", progress_bar=False,
         )
-        first, _ = _cpu_time(lambda: (mcmc.run(jax.random.key(0), n), mcmc.get_samples())[1])
+        first, _ = _jax_time(lambda: (mcmc.run(jax.random.key(0), n), mcmc.get_samples())[1])
         compiles.clear()
-        second, out = _cpu_time(lambda: (mcmc.run(jax.random.key(1), n), mcmc.get_samples())[1])
+        second, out = _jax_time(lambda: (mcmc.run(jax.random.key(1), n), mcmc.get_samples())[1])
         rate = num_chains * num_iter / second
         numpy_rate = (numpy_rate + reference(num_chains)[0]) / 2  # the reference around this row
         print(f"{num_chains:7d} {num_iter:10d} {rate:12.0f} {numpy_rate:10.0f} {rate / numpy_rate:8.2f} "
@@ -180,9 +194,9 @@ def _kernel_alone(mcmc, e, n, budget, chain_counts, reference):
 
             return jax.lax.scan(body, s, None, length=num_iter)[1]
 
-        first, _ = _cpu_time(lambda: sweeps(states))
+        first, _ = _jax_time(lambda: sweeps(states))
         numpy_rate = reference(num_chains)[0]
-        second, mu = _cpu_time(lambda: sweeps(states))
+        second, mu = _jax_time(lambda: sweeps(states))
         rate = num_chains * num_iter / second
         print(f"{num_chains:7d} {num_iter:10d} {rate:12.0f} {numpy_rate:10.0f} {rate / numpy_rate:8.2f} "
               f"{first - second:13.1f} {'-':>17} {100 * float(mu.mean()):10.1f}")
@@ -193,9 +207,9 @@ def _releases(model, e, n, sets, chains, iters, reference):
     run = lambda key: sample_releases(  # noqa: E731
         model, releases, key, n, num_warmup=iters // 5, num_samples=iters - iters // 5, num_chains=chains
     )
-    compile_s, _ = _cpu_time(lambda: run(jax.random.key(0)))
+    compile_s, _ = _jax_time(lambda: run(jax.random.key(0)))
     numpy_rate = reference(7)[0]
-    cpu, out = _cpu_time(lambda: run(jax.random.key(1)))
+    cpu, out = _jax_time(lambda: run(jax.random.key(1)))
     d3p_rate = sets * chains * iters / cpu
     print(f"sample_releases {sets} x {chains} chains: {d3p_rate:10.0f}   NumPy {numpy_rate:.0f}   ratio "
           f"{d3p_rate / numpy_rate:.2f} (first call {compile_s:.1f} CPU-s; posterior mean of mu "
