@@ -28,6 +28,7 @@ as a reference where it is accurate.
 
 from __future__ import annotations
 
+from functools import partial
 import math
 from typing import Optional
 
@@ -375,6 +376,11 @@ def _is_concrete(*args) -> bool:
 
 _MAX_ROUNDS = 64
 _LONG_ROUNDS = 1024
+# proposals per lane and round on accelerators: a lane then rejects a round with probability
+# < 0.54^16 < 1e-4, so among thousands of lanes the loop after the first round seldom runs
+_GPU_CANDIDATES = 16
+# tests set this to run one form on any backend (lax.platform_dependent picks the CPU one there)
+_candidates_override: Optional[int] = None
 
 
 def _log_concave_envelope(a, beta, lam, tau, low, high):
@@ -483,14 +489,34 @@ def _by_rejection(propose, u, retry_key, fallback, params):
         ok = ok | invalid
         x = jnp.where(invalid, jnp.nan, x)
 
-    def retry(carry):
+    def retry(carry, candidates):
         i, x, ok = carry
-        x_new, accepted = propose(_open_uniform(retry_key(i), (2, *shape), dtype))
+        if candidates == 1:
+            x_new, accepted = propose(_open_uniform(retry_key(i), (2, *shape), dtype))
+        else:  # the first accepted of ``candidates`` independent proposals: exact as well
+            xs, accepted = propose(_open_uniform(retry_key(i), (2, candidates, *shape), dtype))
+            first = jnp.argmax(accepted, axis=0)
+            x_new, accepted = jnp.take_along_axis(xs, first[None], axis=0)[0], jnp.any(accepted, axis=0)
         return i + 1, jnp.where(ok, x, x_new), ok | accepted
 
-    _, x, ok = lax.while_loop(
-        lambda c: (c[0] < rounds) & ~jnp.all(c[2]), retry, (jnp.int32(1), x, ok)
-    )
+    def rounds_until_accepted(x, ok, candidates):
+        carry = (jnp.int32(1), x, ok)
+        if candidates > 1:  # one round for every lane, outside the loop
+            carry = retry(carry, candidates)
+        cond = lambda c: (c[0] < rounds) & ~jnp.all(c[2])
+        return lax.while_loop(cond, partial(retry, candidates=candidates), carry)[1:]
+
+    # Each round of a data-dependent loop waits for the host on a GPU, and with thousands of lanes
+    # some lane almost always rejects the first proposal (acceptance >= 0.46): there, every lane
+    # gets _GPU_CANDIDATES more proposals at once before the loop, which then rarely runs.
+    if _candidates_override is not None:
+        x, ok = rounds_until_accepted(x, ok, _candidates_override)
+    else:
+        x, ok = lax.platform_dependent(
+            x, ok,
+            cpu=partial(rounds_until_accepted, candidates=1),
+            default=partial(rounds_until_accepted, candidates=_GPU_CANDIDATES),
+        )
     if fallback is None:
         return jnp.where(ok, x, jnp.nan)
 

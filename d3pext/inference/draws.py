@@ -13,6 +13,7 @@ in the sweeps where some chain needs it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 import math
 
 import jax
@@ -153,7 +154,8 @@ def truncated_normal(
     distribution, so exact). The inversion mirrors the interval to the lower tail, where the
     normal CDF is accurate, so bounds many standard deviations away from ``loc`` are fine. It
     runs in a ``lax.while_loop`` of at most one pass, which under ``vmap`` is skipped when every
-    lane's plain draw is inside (a ``lax.cond`` would compute both branches). ``scale = 0``
+    lane's plain draw is inside (a ``lax.cond`` would compute both branches); on a GPU it is
+    computed for every lane instead, since a data-dependent loop waits for the host. ``scale = 0``
     returns ``loc`` clipped.
 
     >>> from jax import random
@@ -166,6 +168,16 @@ def truncated_normal(
 
 
 def truncated_normal_from_uniforms(w, loc, scale, low, high):
+    # On a GPU a data-dependent loop waits for the host every sweep (about as long as the inversion
+    # itself for thousands of lanes): there the inversion is computed for every lane and selected.
+    return lax.platform_dependent(
+        w, loc, scale, low, high,
+        cpu=partial(_truncated_normal_from_uniforms, loop=True),
+        default=partial(_truncated_normal_from_uniforms, loop=False),
+    )
+
+
+def _truncated_normal_from_uniforms(w, loc, scale, low, high, *, loop: bool):
     loc, scale, low, high = jnp.broadcast_arrays(
         *(jnp.asarray(v, w.dtype) for v in (loc, scale, low, high))
     )
@@ -177,6 +189,8 @@ def truncated_normal_from_uniforms(w, loc, scale, low, high):
         x_inv = _inverse_truncated_normal((1 + w[1]) / 2, loc, scale, low, high)
         return jnp.where(done, x, x_inv), jnp.ones_like(done)
 
+    if not loop:
+        return invert((x, inside))[0]
     return lax.while_loop(lambda carry: ~jnp.all(carry[1]), invert, (x, inside))[0]
 
 

@@ -1,0 +1,68 @@
+"""The accelerator form of the uniform-driven samplers (d3pext.inference.draws) against the CPU form.
+
+``lax.platform_dependent`` picks one form per backend, so a CPU run never executes the GPU form:
+it is checked here directly, draw for draw.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import random
+
+from d3pext.inference.draws import _truncated_normal_from_uniforms, uniform_pairs
+
+
+@pytest.mark.parametrize("loc", [0.0, 8.0, -3.0])
+def test_truncated_normal_gpu_form_equals_cpu_form(loc):
+    """Every lane inverted and selected (no loop) gives the very draws of the loop that inverts only
+    when some lane's plain draw falls outside; mixed lanes, all inside, and all outside."""
+    n = 3000
+    locs = jnp.concatenate([jnp.full(n, loc), jnp.linspace(-2.0, 5.0, n)])
+    w = uniform_pairs(random.key(3), locs.shape, jnp.float32)
+    draw = lambda loop: jax.jit(lambda w, m: _truncated_normal_from_uniforms(w, m, 1.0, 1.0, 2.0, loop=loop))(w, locs)
+    looped, selected = np.asarray(draw(True)), np.asarray(draw(False))
+    assert np.all((selected >= 1.0) & (selected <= 2.0))
+    np.testing.assert_array_equal(selected, looped)
+
+
+@pytest.fixture
+def accelerator_rejection(monkeypatch):
+    """The rejection samplers' accelerator form (many proposals per lane and round) on this backend."""
+    import importlib
+
+    module = importlib.import_module("d3pext.distributions.truncated_gamma")  # the package exports a function of that name
+    monkeypatch.setattr(module, "_candidates_override", module._GPU_CANDIDATES)
+    with jax.enable_x64(True):
+        yield
+
+
+def test_rejection_gpu_form_gof(accelerator_rejection):
+    """The first accepted of 16 proposals per round is the same exact law: truncated gammas with shapes
+    below and above 1 (the two envelopes) and a TGM with its Laplace kink inside the interval."""
+    from d3pext.distributions.truncated_gamma import tgm_from_uniforms, truncated_gamma_from_uniforms
+    from test_tgm import GOF_THRESHOLD, TGM_SAMPLES, _gamma_pit, pit_gof
+
+    gamma_cases = [(0.5, 1.0, 0.3, 2.0), (0.9, 2.0, 5.0, np.inf), (21.0, 100.0, 0.1, 0.3)]
+    alpha, beta, lam, tau, upper = 21.0, 100.0, 10.75, 0.22, 0.25
+
+    @jax.jit
+    def draws(key):
+        keys = random.split(key, 2 * len(gamma_cases) + 2)
+        u = lambda k: random.uniform(k, (2, TGM_SAMPLES), jnp.float64, minval=1e-300)
+        gammas = [truncated_gamma_from_uniforms(u(keys[2 * i]), keys[2 * i + 1], *p, fallback=False)
+                  for i, p in enumerate(gamma_cases)]
+        return gammas, tgm_from_uniforms(u(keys[-2]), keys[-1], alpha, beta, lam, tau, upper, fallback=False)
+
+    gammas, tgm = draws(random.key(41))
+    for p, x in zip(gamma_cases, gammas):
+        x = np.asarray(x)
+        assert np.all((x >= p[2]) & (x <= p[3])), p
+        assert pit_gof(_gamma_pit(x, *p)) > GOF_THRESHOLD, p
+    # the TGM's CDF by quadrature of its density x^(alpha-1) exp(-beta x - lam |x - tau|) on (0, upper]
+    grid = np.linspace(0.0, upper, 200_001)[1:]
+    log_f = (alpha - 1) * np.log(grid) - beta * grid - lam * np.abs(grid - tau)
+    cdf = np.cumsum(np.exp(log_f - log_f.max()))
+    x = np.asarray(tgm)
+    assert np.all((x > 0) & (x <= upper))
+    assert pit_gof(np.interp(x, grid, cdf / cdf[-1])) > GOF_THRESHOLD
