@@ -98,11 +98,13 @@ _MAX_WINDOW = 600.0  # exp(x) must stay finite on the window
 _DX_PER_STD = 2.0**-4  # first grid step, relative to the standard deviation of one step's loss
 _DX_COARSEST = 2.0**-4  # and at most this
 _DELTA_FLOOR = 1e-12  # delta() sizes its window for deltas down to this value
+_SEARCH_COARSER = 2  # approximate_sigma's first grid: up to this many times coarser than the initial step
 # Bulk/tail split (small q).
 _SPLIT_MIN_STDS = 1024.0  # split where one step's window spans more std of its loss than this
 _SPLIT_BULK_STDS = 64.0  # first half-width of the finely gridded bulk, in std of one step's loss
 _SPLIT_MAX_TERMS = 12  # most tail events per block composed exactly
 _SPLIT_COARSE_POINTS = 2**14  # the first coarse grid spans the composed window with at most about this many
+_SPLIT_FINE_LEVELS = 3  # the bulk's grid step is at least the initial step halved this many times
 # dp-accounting fallback.
 _DPA_RTOL = 2e-3
 _MAX_DPA_WINDOW = 1e4  # dp-accounting's grid spans the privacy loss, at 1e-2 (or finer) per point
@@ -301,28 +303,44 @@ class _LossMGF:
     It is integrated over t by the trapezoidal rule, spectrally accurate for these smooth
     Gaussian-tailed integrands. One step's loss has Gaussian tails of std ``1/sigma``, so the lam
     that matter are below ~8 sigma; as ``0 <= l'(t) <= 2 / sigma^2``, tilting by lam moves the mass
-    of t by at most 2 lam, which the t-grid covers.
+    of t by at most 2 lam, which the t-grid covers. The log-MGF is evaluated only at the lams that a
+    Chernoff bound asks for (:meth:`tail_bound`: a coarse sweep, then a finer one around its best lam),
+    which keeps a plan cheap at small sigma, where the t-grid is long.
     """
 
     def __init__(self, relation: Relation, sigma: float, q: float):
-        self.lam = np.geomspace(1e-4, 10.0 * sigma + 2.0, 61)
-        reach = 2.0 * self.lam[-1] + 12.0 * sigma + 2.0
+        self.lam_max = 10.0 * sigma + 2.0
+        reach = 2.0 * self.lam_max + 12.0 * sigma + 2.0
         step = min(sigma / 4.0, sigma**2 / 2.0)
         t = np.linspace(-reach, 1.0 + reach, int(np.clip((2.0 * reach + 1.0) / step, 512, 20001)))
-        log_p = _log_p(sigma, q, t) + math.log(t[1] - t[0])
-        loss = _privacy_loss(relation, sigma, q, t)
-        self.log_mgf = {}
-        for sign in (-1.0, 1.0):
-            exponents = sign * self.lam[:, None] * loss + log_p
-            peak = exponents.max(axis=1)
-            self.log_mgf[sign] = peak + np.log(np.sum(np.exp(exponents - peak[:, None]), axis=1))
-        p = np.exp(log_p)
-        self.mean = float(np.sum(p * loss))  # KL(P || Q)
-        self.std = math.sqrt(max(float(np.sum(p * (loss - self.mean) ** 2)), 0.0))
+        self._log_p = _log_p(sigma, q, t) + math.log(t[1] - t[0])
+        self._loss = _privacy_loss(relation, sigma, q, t)
+        p = np.exp(self._log_p)
+        self.mean = float(np.sum(p * self._loss))  # KL(P || Q)
+        self.std = math.sqrt(max(float(np.sum(p * (self._loss - self.mean) ** 2)), 0.0))
+
+    def log_mgf(self, sign: float, lam: np.ndarray) -> np.ndarray:
+        """``log E_P[exp(sign lam l)]`` at the lams ``lam``."""
+        exponents = sign * lam[:, None] * self._loss + self._log_p
+        peak = exponents.max(axis=1)
+        return peak + np.log(np.sum(np.exp(exponents - peak[:, None]), axis=1))
 
     def tail_bound(self, sign: float, num_steps: int, log_tail: float) -> float:
         """w with P(sign * (sum of num_steps losses) > w) <= exp(log_tail) (Chernoff)."""
-        return float(np.min((num_steps * self.log_mgf[sign] - log_tail) / self.lam))
+        bound = lambda lam: (num_steps * self.log_mgf(sign, lam) - log_tail) / lam
+        lams = np.geomspace(1e-4, self.lam_max, 16)
+        values = bound(lams)
+        best = int(np.argmin(values))
+        best_lam, best_value = float(lams[best]), float(values[best])
+        ratio = (self.lam_max / 1e-4) ** (1.0 / 15.0)
+        for _ in range(2):  # twice: 8 lams between the neighbours of the best one so far
+            lams = np.clip(best_lam * ratio ** np.linspace(-1.0, 1.0, 10)[1:-1], 1e-4, self.lam_max)
+            values = bound(lams)
+            i = int(np.argmin(values))
+            if values[i] < best_value:
+                best_lam, best_value = float(lams[i]), float(values[i])
+            ratio **= 2.0 / 9.0
+        return best_value
 
 
 class _Plan(NamedTuple):
@@ -466,23 +484,31 @@ def _point_chernoff(
     x: np.ndarray, p: np.ndarray, units: int, log_tail: float, std_floor: float = 1e-12, wide: bool = False
 ) -> tuple[float, float, float]:
     """:func:`_chernoff_windows` of the (sub-)probabilities ``p > 0`` at the losses ``x``, evaluated on
-    many lams around the one that is optimal for a Gaussian of the same variance."""
+    lams around the one that is optimal for a Gaussian of the same variance: a coarse sweep, then a
+    finer one between the neighbours of its best lam (every lam gives a valid bound)."""
     mean = float(np.sum(p * x) / np.sum(p))
     std = max(math.sqrt(float(np.sum(p * (x - mean) ** 2) / np.sum(p))), std_floor)
     base = math.sqrt(2.0 * abs(log_tail) / units) / std
+    lams = base * np.geomspace(1.0 / 64.0, 64.0, 13)
     if wide:  # heavy tails: the best lam may be far below the Gaussian one
-        lams = np.concatenate([base * np.geomspace(1.0 / 64.0, 64.0, 13), np.geomspace(1e-2, 1e3, 16)])
-    else:
-        lams = base * np.geomspace(1.0 / 64.0, 64.0, 37)
-    windows = []
+        lams = np.unique(np.concatenate([lams, np.geomspace(1e-2, 1e3, 11)]))
     log_p = np.log(p)
-    for sign in (1.0, -1.0):
-        exponents = log_p + sign * lams[:, None] * x
+
+    def windows(sign: float, lam: np.ndarray) -> np.ndarray:
+        exponents = log_p + sign * lam[:, None] * x
         peak = exponents.max(axis=1)
-        log_mgf = peak + np.log(np.sum(np.exp(exponents - peak[:, None]), axis=1))
-        windows.append((units * log_mgf - log_tail) / lams)
-    best = int(np.argmin(windows[0]))
-    return float(windows[0][best]), float(lams[best]), float(np.min(windows[1]))
+        return (units * (peak + np.log(np.sum(np.exp(exponents - peak[:, None]), axis=1))) - log_tail) / lam
+
+    best = []
+    for sign in (1.0, -1.0):
+        coarse = windows(sign, lams)
+        i = int(np.argmin(coarse))
+        low, high = lams[max(i - 1, 0)], lams[min(i + 1, lams.size - 1)]
+        fine_lams = np.geomspace(low, high, 8)[1:-1]
+        fine = windows(sign, fine_lams)
+        j = int(np.argmin(fine))
+        best.append((float(fine[j]), float(fine_lams[j])) if fine[j] < coarse[i] else (float(coarse[i]), float(lams[i])))
+    return best[0][0], best[0][1], best[1][0]
 
 
 class _Composer:
@@ -618,6 +644,13 @@ class _SplitPLD:
         # k is set on the first grid of the refinement, so that halving dx halves h as well.
         width = plan.composed.above + plan.composed.below
         k = max(k, 2 ** max(0, math.ceil(math.log2(width / (_initial_dx(plan) * _SPLIT_COARSE_POINTS)))))
+        # Grids finer than _SPLIT_FINE_LEVELS halvings of the initial step refine only the coarse grid
+        # (h halves, k with it): the bulk is resolved far below its spread by then (the variance that
+        # connecting the dots adds to it is below 1e-4 of its own), and its grid spans B steps.
+        floor = _initial_dx(plan) * 2.0**-_SPLIT_FINE_LEVELS
+        if dx < floor and k > 1:
+            m = min(k, 2 ** round(math.log2(floor / dx)))
+            dx, k = dx * m, k // m
         self.k, self.h, self.dx = k, k * dx, dx
         j_lo, j_hi = -math.ceil(plan.one_step.below / dx), math.ceil(plan.one_step.above / dx)
         g_lo, g_hi = math.floor(j_lo / k), math.ceil(j_hi / k)
@@ -1034,17 +1067,22 @@ def approximate_sigma(
     A single step and full batches (``q = 1``) have closed forms, solved for sigma directly.
     Otherwise the root of ``epsilon(sigma) = target`` is bracketed in log-log space, starting from a
     central-limit guess and extrapolating secants, and the bracket shrunk (inverse quadratic
-    interpolation, each point placed just beyond the estimated root) until its ends are within a
-    factor ``1 + tol``. Every grid gives an upper bound on epsilon; the first point refines its grid
-    until the coarser of two successive grids overstates epsilon by less than about ``tol / 4``
-    (estimated from their difference, which shrinks as the grid step squared), and all points use
-    grids of that step relative to the spread of one step's loss. The upper end of the bracket and
-    its epsilon on that grid (at most the target) are returned once one grid finer has confirmed
-    there that the grid overstates epsilon by less than ``tol / 2`` (else the search goes on one grid
-    finer); :func:`epsilon`, on refined grids, gives at most that value (up to ~1e-6 relative). Results are cached. Typically 3 to 6 evaluations, 10-100 ms of CPU
-    time for any epsilon in [0.01, 100], up to 1e6 steps and sampling rates down to 1e-5 (small
-    rates use split grids, see :class:`_SplitPLD`). Deltas below about 1e-9 together with rates
-    below about 1e-4 can need dp-accounting's slow fallback (FFT rounding noise reaches delta).
+    interpolation, each point placed just above the estimated root) until the upper end lies within
+    half a factor ``1 + tol`` of the estimated root (or the ends within ``1 + tol`` of each other).
+    Every grid gives an upper bound on epsilon, which exceeds the true one by about ``c dx^2``: the
+    first point starts two grids coarser than the initial step (:data:`_SEARCH_COARSER`) and estimates
+    each grid's excess from the difference of two successive ones (Richardson), going straight to the
+    coarsest grid that overstates epsilon by less than about ``tol / 4``; all points use grids of that
+    step relative to the spread of one step's loss. The upper end of the bracket and its epsilon on
+    that grid (at most the target) are returned; unless the result lies close to the first point and
+    the first point's excess was far below the tolerance, one grid coarser at the result estimates
+    the excess there, and where it exceeds ``tol / 2`` the search goes on one grid finer.
+    :func:`epsilon`, on refined grids, gives at most that value (up to ~1e-6 relative). Results are
+    cached. Typically 4 to 7 grid evaluations, 10-150 ms of CPU time for any epsilon in [0.01, 100],
+    up to 1e6 steps and sampling rates down to 1e-4, and up to ~0.6 s at rate 1e-5 with epsilon
+    0.01-0.1 (small rates use split grids, see :class:`_SplitPLD`). Deltas below about 1e-9 together
+    with rates below about 1e-4 can need dp-accounting's slow fallback (FFT rounding noise reaches
+    delta).
 
     :param epsilon: target epsilon > 0.
     :param delta: target delta in (0, 1).
@@ -1138,17 +1176,22 @@ def _searched_sigma(
     values: dict[float, float] = {}  # epsilon (an upper bound) at each log sigma evaluated
     fourier_points: set[float] = set()  # the log sigmas whose value is from the search's grid
     level_shift = None  # the search's grid step: the initial one at each sigma, halved this many times
+    first_excess = math.inf  # the first point's estimated relative excess on the search's grid
+
+    def level(sigma: float, plan: _Plan, shift: int) -> float:
+        return _epsilon_level(relation, sigma, q, (num_steps,), target_delta, _initial_dx(plan) / 2.0**shift)[0]
 
     def excess(log_sigma: float) -> float:
         """log(epsilon / target) at sigma = exp(log_sigma); inf where the loss is out of the window.
 
-        Every grid gives an upper bound on epsilon. The first evaluation halves the grid step until
-        the estimated excess of the coarser grid, ``4/3`` of the change (it shrinks as the step
-        squared), is below ``tol / 4``; all points of the search then use that relative step (the
-        initial step at their sigma, halved ``level_shift`` times), so the sigma found is at most about
+        Every grid gives an upper bound on epsilon, which exceeds the true one by about ``c dx^2``. The
+        first evaluation takes two grids; ``4/3`` of their change estimates the coarser one's excess,
+        from which the grid step whose excess is below ``tol / 4`` follows (Richardson): the search
+        goes there at once, and all points of the search then use that relative step (the initial
+        step at their sigma, halved ``level_shift`` times), so the sigma found is at most about
         ``tol / 4`` above the smallest one.
         """
-        nonlocal evaluations, level_shift
+        nonlocal evaluations, level_shift, first_excess
         evaluations += 1
         sigma = math.exp(log_sigma)
         if not 1e-100 < sigma < 1e100:
@@ -1158,26 +1201,52 @@ def _searched_sigma(
             plan = _cached_plan(relation, sigma, q, num_steps, target_delta)
             if plan.composed.above > _MAX_WINDOW:
                 raise _OutOfWindow("the composed privacy loss is beyond the window")
-            level = lambda h: _epsilon_level(relation, sigma, q, (num_steps,), target_delta, h)[0]
-            dx = _initial_dx(plan)
             if level_shift is None:
-                shift, eps = 0, level(dx)
+                # Start up to _SEARCH_COARSER grids coarser than the initial one (at most _DX_COARSEST):
+                # most cells need no finer grid, and coarse grids are cheap.
+                room = math.floor(math.log2(_DX_COARSEST / _initial_dx(plan)) + 1e-9)
+                shift = -min(_SEARCH_COARSER, max(room, 0))
+                eps, previous = level(sigma, plan, shift), None
                 while shift < 12:
                     try:
-                        finer = level(dx / 2.0)
+                        finer = level(sigma, plan, shift + 1)
                     except _Untrusted as err:  # grid budget: search on the finest grid that fits
                         if isinstance(err, _OutOfWindow):
                             raise
                         break
-                    change = eps - finer
-                    if change <= 0.1875 * tol * finer + _EPS_ATOL:  # the coarser's excess, 4/3 of it, < tol / 4
+                    change = max(eps - finer, 0.0)
+                    need = 0.25 * tol * finer + _EPS_ATOL
+                    # Errors shrink by 4 per halving once the grid resolves the PLD (checked on the last
+                    # two changes); before that, by 2 at worst: the excess of the finer grid is about
+                    # change / 3 (else at most change), of the coarser change more.
+                    ratio = 0.25 if previous is not None and change <= 0.3 * previous else 0.5
+                    finer_excess = change * ratio / (1.0 - ratio)
+                    if change + finer_excess <= need:
+                        first_excess = (change + finer_excess) / max(eps, 1e-300)
                         break
-                    shift, eps, dx = shift + 1, finer, dx / 2.0
-                    if change <= 0.75 * tol * finer + _EPS_ATOL:  # the finer's, 1/3 of it, < tol / 4
+                    shift, eps = shift + 1, finer
+                    if finer_excess <= need:
+                        first_excess = finer_excess / max(finer, 1e-300)
                         break
+                    if ratio == 0.25:  # straight to the grid wanted (or the finest that fits the budget)
+                        wanted = shift + 1
+                        while wanted < 12 and finer_excess / 4.0 ** (wanted - shift) > need:
+                            wanted += 1
+                        while wanted > shift:
+                            try:
+                                eps = level(sigma, plan, wanted)
+                                first_excess = finer_excess / 4.0 ** (wanted - shift) / max(eps, 1e-300)
+                                shift = wanted
+                                break
+                            except _Untrusted as err:
+                                if isinstance(err, _OutOfWindow):
+                                    raise
+                                wanted -= 1
+                        break
+                    previous = change
                 level_shift = shift
             else:
-                eps = level(dx / 2.0**level_shift)
+                eps = level(sigma, plan, level_shift)
             fourier_points.add(log_sigma)
         except _OutOfWindow:
             return math.inf
@@ -1190,55 +1259,77 @@ def _searched_sigma(
     def guess(target_eps: float) -> float:
         return math.log(_sigma_guess(relation, target_eps, target_delta, q, num_steps))
 
+    def close_enough(lo: float, f_lo: float, hi: float, f_hi: float, root: float) -> bool:
+        """hi (epsilon <= target) is within half the tolerance of the estimated root, and that estimate
+        (secant or inverse quadratic through points within 0.5 in log sigma) is accurate enough."""
+        return math.isfinite(f_lo) and hi - lo <= 0.5 and hi - root <= 0.5 * width_tol
+
+    def bracket(points: list, step: float) -> tuple[float, float, float, float]:
+        """Step from the last point, the way its excess says, until the excess changes sign: the first
+        step is ``step``, the next ones extrapolate the last two a little beyond the root (epsilon is
+        close to a power of sigma)."""
+        f_start = points[-1][1]
+        direction = 1.0 if f_start > 0.0 else -1.0  # the way sigma has to move
+        while True:
+            point = points[-1][0] + direction * step
+            points.append((point, excess(point)))
+            (p0, f0), (p1, f1) = points[-2:]
+            if (f1 > 0.0) != (f_start > 0.0):
+                break
+            if math.isfinite(f0) and math.isfinite(f1) and (f1 - f0) * direction < 0.0:
+                secant = -f1 * (p1 - p0) / (f1 - f0)  # the extrapolated root, in direction * secant > 0
+                step = min(max(1.1 * direction * secant + 0.5 * width_tol, 0.5 * width_tol), max(4.0 * step, 1.0))
+            else:
+                step *= 2.0
+        (lo, f_lo), (hi, f_hi) = sorted(points[-2:])
+        return lo, f_lo, hi, f_hi
+
     # Bracket the root of the decreasing excess(log sigma), starting from a central-limit guess; the
-    # second point carries the guess's error at the first over as a factor on epsilon, the next ones
-    # extrapolate the last two a little beyond the root (epsilon is close to a power of sigma).
+    # second point carries the guess's error at the first over as a factor on epsilon.
     width_tol = math.log1p(tol)
     first = guess(target)
     points = [(first, excess(first))]
     f_first = points[0][1]
-    direction = 1.0 if f_first > 0.0 else -1.0  # the way sigma has to move
     factor = math.exp(-min(f_first, math.log(4.0))) if f_first > 0.0 else math.exp(min(-f_first, math.log(4.0)))
-    step = max(direction * (guess(target * factor) - points[0][0]), 0.0) + 0.5 * width_tol
-    while True:
-        point = points[-1][0] + direction * step
-        points.append((point, excess(point)))
-        (p0, f0), (p1, f1) = points[-2:]
-        if (f1 > 0.0) != (f_first > 0.0):
-            break
-        if math.isfinite(f0) and math.isfinite(f1) and (f1 - f0) * direction < 0.0:
-            secant = -f1 * (p1 - p0) / (f1 - f0)  # the extrapolated root, in direction * secant > 0
-            step = min(max(1.1 * direction * secant + 0.5 * width_tol, 0.5 * width_tol), max(4.0 * step, 1.0))
-        else:
-            step *= 2.0
-    (lo, f_lo), (hi, f_hi) = sorted(points[-2:])
+    step = abs(guess(target * factor) - first) + 0.5 * width_tol
+    lo, f_lo, hi, f_hi = bracket(points, step)
 
-    # Shrink the bracket on this grid, then check the result one grid finer (at most four grids).
+    # Shrink the bracket on this grid (or stop where the upper end is within half the tolerance of the
+    # estimated root), then check the grid's excess at the result (at most four rounds).
     for _ in range(4):
-        lo, f_lo, hi, f_hi = _shrink_bracket(excess, points, lo, f_lo, hi, f_hi, width_tol)
-        # The grid's excess at the result, from one grid finer (its relative step at this sigma may differ
-        # from the first point's by a factor 2): where it exceeds tol / 2, search again one grid finer.
+        lo, f_lo, hi, f_hi = _shrink_bracket(excess, points, lo, f_lo, hi, f_hi, width_tol, close_enough)
+        # The grid's excess at the result: its relative step at this sigma may differ from the first
+        # point's by a factor 2 (the error by 4), and the error itself changes with sigma. Where the
+        # first point's excess leaves room for that and the result's epsilon is within a factor 1.5 of
+        # the first point's, it is taken as is; else one grid coarser at the result estimates it
+        # (Richardson, 1/3 of the change), and where it exceeds tol / 2 the search goes on from the
+        # result on the grid whose estimated excess is below tol / 4.
         if level_shift is None or hi not in fourier_points or not math.isfinite(f_lo):
+            break
+        if hi == first and first_excess <= 0.25 * tol:
+            break
+        if first_excess <= tol / 32.0 and abs(f_hi - f_first) <= math.log(1.5):  # near the first point
             break
         sigma_hi = math.exp(hi)
         plan = _cached_plan(relation, sigma_hi, q, num_steps, target_delta)
         try:
-            finer = _epsilon_level(
-                relation, sigma_hi, q, (num_steps,), target_delta, _initial_dx(plan) / 2.0 ** (level_shift + 1)
-            )[0]
+            coarser = level(sigma_hi, plan, level_shift - 1)
         except _Untrusted:
             break
-        if values[hi] - finer <= 0.375 * tol * finer + _EPS_ATOL:
+        grid_excess = max(coarser - values[hi], 0.0) / 3.0
+        if grid_excess <= 0.5 * tol * values[hi] + _EPS_ATOL:
             break
-        level_shift += 1
-        f_lo, f_hi = excess(lo), excess(hi)
-        while f_lo <= 0.0:  # the finer grid may move the root out of the bracket: widen it
-            lo, hi, f_hi = lo - (hi - lo), lo, f_lo
-            f_lo = excess(lo)
-        while f_hi > 0.0:
-            lo, f_lo, hi = hi, f_hi, hi + (hi - lo)
-            f_hi = excess(hi)
-        points = [(lo, f_lo), (hi, f_hi)]
+        halvings = 1
+        while halvings < 6 and grid_excess / 4.0**halvings > 0.25 * tol * values[hi] + _EPS_ATOL:
+            halvings += 1
+        slope = (f_hi - f_lo) / (hi - lo)  # of the bracket, on the coarser grid (< 0)
+        level_shift += halvings
+        # The finer grid lowers epsilon: hi still meets the target; the root lies below it. Bracket
+        # again from hi, the first step from the slope a little beyond the estimated root.
+        points = [(hi, excess(hi))]
+        f_new = points[0][1]
+        step = (f_new / slope if slope < 0.0 and f_new <= 0.0 else 0.0) * 1.1 + 0.5 * width_tol
+        lo, f_lo, hi, f_hi = bracket(points, step)
     if not math.isfinite(f_lo):
         eps_hi = target * math.exp(f_hi)
         raise AccountingError(
@@ -1251,18 +1342,29 @@ def _searched_sigma(
 
 
 def _shrink_bracket(
-    excess: Callable[[float], float], points: list, lo: float, f_lo: float, hi: float, f_hi: float, width_tol: float
+    excess: Callable[[float], float],
+    points: list,
+    lo: float,
+    f_lo: float,
+    hi: float,
+    f_hi: float,
+    width_tol: float,
+    accept: Callable[[float, float, float, float, float], bool] | None = None,
 ) -> tuple[float, float, float, float]:
     """Shrink ``[lo, hi]`` (``excess(lo) > 0 >= excess(hi)``) below ``width_tol``; appends to ``points``.
 
     Each new point lies a little beyond the estimated root (:func:`_estimate_root`), on the side of the
     end farther from it, so that each evaluation moves one end close to the root; bisection where two
-    steps in a row have not halved the bracket.
+    steps in a row have not halved the bracket. ``accept(lo, f_lo, hi, f_hi, root)`` may end the
+    search earlier (with the estimated root).
     """
     widths = [hi - lo]
     while hi - lo > width_tol:
         root = _estimate_root(points, lo, f_lo, hi, f_hi)
-        new = root + 0.3 * width_tol if hi - root > root - lo else root - 0.3 * width_tol
+        if accept is not None and accept(lo, f_lo, hi, f_hi, root):
+            break
+        # (with accept: always just above the root, where the next point is likely to be accepted)
+        new = root + 0.3 * width_tol if accept is not None or hi - root > root - lo else root - 0.3 * width_tol
         new = min(max(new, lo + 0.1 * width_tol), hi - 0.1 * width_tol)
         if len(widths) >= 3 and widths[-1] > 0.5 * widths[-3]:
             new = 0.5 * (lo + hi)

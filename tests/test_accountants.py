@@ -6,6 +6,7 @@ substitute relation, ADD_OR_REMOVE_ONE the add/remove relation. Its discretisati
 chosen per cell so that its own error stays far below the 1% tolerance.
 """
 
+import functools
 import importlib.metadata
 import itertools
 import math
@@ -394,6 +395,123 @@ def test_approximate_sigma_small_q(relation, target, q, num_steps):
     result = approximate_sigma(target, DELTA, q, num_steps, relation)
     check_sigma(result, target, relation, q, num_steps, 1e-3)
     assert result.epsilon >= target * (1.0 - 5e-3)  # close to the target, not just below it
+
+
+# The search (fourier._searched_sigma): a coarse first grid chosen by Richardson extrapolation, early
+# acceptance of a point just above the root, cheaper Chernoff windows and plans.
+
+SIGMA_DPA_CELLS = [(R, 1.0, 1e-4, 1000), (S, 8.0, 1e-3, 100_000), (S, 30.0, 1e-4, 100)]
+SIGMA_DPA_SLOW_CELLS = [(S, 0.1, 1e-4, 1000), (R, 0.1, 1e-5, 10_000)]
+
+
+def check_sigma_against_dp_accounting(relation, target, q, num_steps, tol=1e-3):
+    result = approximate_sigma(target, DELTA, q, num_steps, relation)
+    assert result.epsilon <= target
+    interval = interval_for(target)
+    # dp-accounting's pessimistic PLD (an independent upper bound): ours certifies at most the target,
+    # and lies above the true epsilon; both are within a small gap of each other and of the target.
+    reference = reference_epsilon(result.sigma, q, num_steps, relation, interval)
+    assert reference <= target * (1.0 + 1e-5)
+    assert result.epsilon == pytest.approx(reference, rel=tol / 2)
+    assert result.epsilon >= target * (1.0 - 5e-3)  # close to the target, not just below it
+    # The smallest such sigma up to the tolerance: a little less noise exceeds the target.
+    assert reference_epsilon(result.sigma / (1.0 + 2.0 * tol), q, num_steps, relation, interval) > target
+
+
+@pytest.mark.parametrize("relation, target, q, num_steps", SIGMA_DPA_CELLS)
+def test_approximate_sigma_small_q_matches_dp_accounting(relation, target, q, num_steps):
+    check_sigma_against_dp_accounting(relation, target, q, num_steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("relation, target, q, num_steps", SIGMA_DPA_SLOW_CELLS)
+def test_approximate_sigma_small_q_small_epsilon_matches_dp_accounting(relation, target, q, num_steps):
+    check_sigma_against_dp_accounting(relation, target, q, num_steps)
+
+
+@pytest.mark.parametrize("relation, target, q, num_steps", [(S, 1.0, 1e-4, 10_000), (R, 100.0, 1e-3, 1000)])
+def test_search_starts_on_coarse_grids(relation, target, q, num_steps, monkeypatch, fresh_caches):
+    # The first point of the search takes grids coarser than the initial step (cheap), and where they
+    # agree, the search stays there: no evaluation on a grid finer than the initial one.
+    steps_used = []
+    original = fourier._epsilon_level.__wrapped__
+
+    def level(relation, sigma, q, steps, target_delta, dx):
+        plan = fourier._cached_plan(relation, sigma, q, max(steps), target_delta)
+        steps_used.append(math.log2(fourier._initial_dx(plan) / dx))
+        return original(relation, sigma, q, steps, target_delta, dx)
+
+    monkeypatch.setattr(fourier, "_epsilon_level", functools.lru_cache(maxsize=256)(level))
+    result = approximate_sigma(target, DELTA, q, num_steps, relation)
+    assert steps_used[0] == -fourier._SEARCH_COARSER and max(steps_used) <= 0
+    assert result.num_evaluations <= 6
+    fourier._clear_caches()
+    monkeypatch.undo()
+    check_sigma(result, target, relation, q, num_steps, 1e-3)
+
+
+def test_search_refines_where_the_coarse_grid_is_not_tight(fresh_caches):
+    # epsilon = 0.01 at q = 1e-5: the coarse grids overstate epsilon by far more than the tolerance; the
+    # search must go to finer grids, and its result must still be close to the checked epsilon.
+    result = approximate_sigma(0.01, DELTA, 1e-5, 1000, S)
+    check_sigma(result, 0.01, S, 1e-5, 1000, 1e-3)
+    assert result.epsilon <= epsilon(result.sigma, 1e-5, 1000, DELTA, S) * (1.0 + 5e-4)
+
+
+def test_shrink_bracket_stops_where_accepted():
+    # f(x) = -(x - 0.3): root 0.3; the acceptance rule ends the shrinking once the upper end is within
+    # 1e-3 of the estimated root, long before the bracket is narrower than width_tol.
+    f = lambda x: -(x - 0.3)
+    calls = []
+    excess = lambda x: calls.append(x) or f(x)
+    points = [(0.0, f(0.0)), (1.0, f(1.0))]
+    lo, f_lo, hi, f_hi = fourier._shrink_bracket(
+        excess, points, 0.0, f(0.0), 1.0, f(1.0), 1e-9, lambda lo, f_lo, hi, f_hi, root: hi - root <= 1e-3
+    )
+    assert f_hi <= 0.0 < f_lo and 0.3 <= hi <= 0.3 + 1e-3 and len(calls) <= 2
+    # Without it, the bracket is shrunk to the width asked for.
+    lo, f_lo, hi, f_hi = fourier._shrink_bracket(f, [(0.0, f(0.0)), (1.0, f(1.0))], 0.0, f(0.0), 1.0, f(1.0), 1e-6)
+    assert hi - lo <= 1e-6 and lo < 0.3 <= hi
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_point_chernoff_is_valid_and_near_the_best_lam(wide):
+    # A skewed three-point loss composed exactly: the Chernoff windows hold all but exp(log_tail) of the
+    # mass on each side, and the coarse-to-fine lam search is within 1% of a dense sweep.
+    x = np.array([-0.01, 0.0, 0.8])
+    p = np.array([0.3, 0.69, 0.01])
+    units, log_tail = 400, math.log(1e-9)
+    above, lam, below = fourier._point_chernoff(x, p, units, log_tail, wide=wide)
+    # Exact composition on the lattice of step 0.01 (indices -1, 0, 80).
+    pmf = np.zeros(82)
+    pmf[[0, 1, 81]] = p
+    composed = np.ones(1)
+    for _ in range(units):
+        composed = np.convolve(composed, pmf)
+    values = (np.arange(composed.size) - units) * 0.01
+    assert composed[values > above + 1e-12].sum() <= math.exp(log_tail)
+    assert composed[values < -below - 1e-12].sum() <= math.exp(log_tail)
+    log_mgf = lambda lam: scipy.special.logsumexp(lam * x, b=p)
+    dense = np.geomspace(1e-3, 1e3, 4001)
+    best_above = min((units * log_mgf(l) - log_tail) / l for l in dense)
+    best_below = min((units * log_mgf(-l) - log_tail) / l for l in dense)
+    assert best_above * (1 - 1e-3) <= above <= best_above * 1.01
+    assert best_below * (1 - 1e-3) <= below <= best_below * 1.01
+    assert (units * log_mgf(lam) - log_tail) / lam == pytest.approx(above)
+
+
+@pytest.mark.parametrize("relation", [R, S])
+@pytest.mark.parametrize("sigma, q", [(0.08, 1e-4), (0.7, 1e-3), (3.0, 0.1)])
+def test_loss_mgf_tail_bound_is_near_the_best_lam(relation, sigma, q):
+    # The plan's Chernoff windows (coarse-to-fine lam search) against a dense sweep of the same MGF.
+    mgf = fourier._LossMGF(relation, sigma, q)
+    log_tail = math.log(1e-4 * DELTA / 2.0)
+    for num_steps in (10, 10_000):
+        for sign in (1.0, -1.0):
+            dense = np.geomspace(1e-4, mgf.lam_max, 2001)
+            best = float(np.min((num_steps * mgf.log_mgf(sign, dense) - log_tail) / dense))
+            bound = mgf.tail_bound(sign, num_steps, log_tail)
+            assert best - 1e-4 * abs(best) <= bound <= best + 0.02 * abs(best) + 1e-12
 
 
 # ---------------------------------------------------------------------------------------------
