@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from scipy import stats
 
 from d3pext.accountants import Relation
 
@@ -37,6 +36,14 @@ __all__ = [
 ]
 
 _MAX_RECORDS = 2**31 - 1  # int32 indices
+
+
+def _binomial(n: int, p: float):
+    """``scipy.stats.binom(n, p)``; scipy.stats is imported here, on first use (it takes about a
+    second to import, which every DPSVI program would otherwise pay)."""
+    from scipy import stats
+
+    return stats.binom(n, p)
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> int:
@@ -343,7 +350,7 @@ def _count_thresholds(num_records: int, rate: float, max_size: int) -> tuple[int
     ``offset + #{j : U >= thresholds[j]}`` is ``K`` when ``K <= max_size`` and
     ``max_size + 1`` otherwise.
     """
-    dist = stats.binom(num_records, rate)
+    dist = _binomial(num_records, rate)
     # sizes below `start` have thresholds 0: skip them (they matter when N q is large)
     start = min(max_size, max(0, int(np.nan_to_num(dist.ppf(2.0**-80)))))
     while start > 0 and np.ldexp(dist.cdf(start - 1), 64) >= 1.0:
@@ -416,7 +423,7 @@ class PoissonSampler:
             raise ValueError(f"tail_bound must lie in (0, 1), got {tail_bound}")
         if self.oversized not in ("truncate", "suppress"):
             raise ValueError(f"oversized must be 'truncate' or 'suppress', got {self.oversized!r}")
-        dist = stats.binom(n, q)
+        dist = _binomial(n, q)
         if self.max_batch_size is None:
             size = int(dist.isf(tail_bound))
             # isf is a float search: settle on the smallest size whose tail is small enough
@@ -613,7 +620,7 @@ def poisson_batchify_data(
         quantile = float(max_batch_size)
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"a float max_batch_size is a quantile in (0, 1), got {quantile}")
-        max_batch_size = max(1, int(stats.binom(num_records, q).ppf(quantile)))
+        max_batch_size = max(1, int(_binomial(num_records, q).ppf(quantile)))
     sampler = PoissonSampler(
         num_records, q, max_batch_size=max_batch_size, oversized=handle_oversized_batch
     )
