@@ -37,6 +37,8 @@ import importlib.util
 import sys
 import warnings
 
+from d3pext._lazy import lazy_attributes
+
 __version__ = "0.2.0"
 
 _LAZY = {
@@ -83,14 +85,7 @@ MOVED_MODULES = {
 __all__ = [*_LAZY, "MOVED_MODULES", "__version__"]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'd3pext' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

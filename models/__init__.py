@@ -4,7 +4,7 @@ Names are imported on first use (``from d3pext.models import logistic_regression
 ``d3pext.models.logistic``): a program that fits one model does not pay for importing all of them.
 """
 
-import importlib
+from d3pext._lazy import lazy_attributes
 
 _LAZY = {
     "beta_binomial_model": "d3pext.models.expfam",
@@ -80,18 +80,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    try:  # a submodule, e.g. d3pext.models.vae, as an attribute
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as error:
-        if error.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -18,20 +18,15 @@
 The secure random numbers (ChaCha20) are :mod:`d3pext.prng`, shared with the releases.
 """
 
+from d3pext._lazy import lazy_attributes
+
+# lazy, so that importing one training module does not load the others
 _LAZY = {
-    "SavedFit": "checkpoint",
-    "load_fit": "checkpoint",
-    "save_fit": "checkpoint",
-    "MemmapBatches": "streaming",
-    "fit_streaming": "streaming",
+    "SavedFit": "d3pext.training.checkpoint",
+    "load_fit": "d3pext.training.checkpoint",
+    "save_fit": "d3pext.training.checkpoint",
+    "MemmapBatches": "d3pext.training.streaming",
+    "fit_streaming": "d3pext.training.streaming",
 }
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    # lazy, so that importing one training module does not load the others
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"d3pext.training.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
