@@ -711,12 +711,13 @@ class DPSVI(SVI):
                 per_record = lambda isolate: jax.vmap(
                     lambda r: self._record_loss(params, key, args, kw, r, isolate=isolate)
                 )(records)
-                return per_record(True), per_record(False)
+                own, given = per_record(True), per_record(False)
+                return jnp.isclose(own, given, rtol=1e-4, atol=1e-5, equal_nan=True)
 
             self._isolation_checks[static] = losses
-        own_losses, given_losses = losses(params, threefry_key(rng_key), args, dyn)
-        for index, own, given in zip((0, last), own_losses, given_losses):
-            if not bool(jnp.allclose(own, given, rtol=1e-4, atol=1e-5, equal_nan=True)):
+        same = np.asarray(losses(params, threefry_key(rng_key), args, dyn))  # one compiled check, one read
+        for index, same_loss in zip((0, last), same):
+            if not same_loss:
                 raise ValueError(
                     f"the loss of record {index} changes when the other records change: the model reads more than "
                     f"one record inside the data plate {self.structure.plate_name!r} (a statistic of the whole data, "
@@ -771,8 +772,9 @@ class DPSVI(SVI):
         unconstrained = self.optim.get_params(state.optim_state)
         self._check_global_independence(unconstrained, init_key, args, kwargs)
         self._check_record_isolation(unconstrained, init_key, args, kwargs)
-        zero = jnp.zeros((), jnp.int32)
-        return DPSVIState(state.optim_state, state.mutable_state, state.rng_key, zero, zero)
+        # device_put, not jnp.zeros: an eager jnp call compiles a program in every new process
+        zero = lambda: jax.device_put(np.zeros((), np.int32))  # noqa: E731
+        return DPSVIState(state.optim_state, state.mutable_state, state.rng_key, zero(), zero())
 
     def _private_grad(self, params, rng_key, args, kwargs, stable: bool, batch_mask=None):
         """Noisy, clipped and rescaled gradient of the negative ELBO, the (non-private) loss estimate
