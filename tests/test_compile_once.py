@@ -90,3 +90,46 @@ def test_planned_updates_do_not_wait_for_the_device(monkeypatch):
         assert "exceed the planned num_steps=5" in str(error)
     else:
         raise AssertionError("a sixth step was not refused")
+
+
+def test_init_is_one_compiled_program_and_matches_op_by_op():
+    """init runs NumPyro's init and the structure traces as one compiled program (not one program per
+    primitive of the model); it gives the op-by-op init's state, to rounding."""
+    svi, eager = make(), make()
+    eager._op_by_op_init = True
+    state = svi.init(jax.random.key(3), X, batch_size=50)
+    assert len(svi._inits) == 1 and not svi._op_by_op_init
+    expected = eager.init(jax.random.key(3), X, batch_size=50)
+    assert not eager._inits
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    assert svi.structure == eager.structure and svi.sampler == eager.sampler
+
+
+def test_init_falls_back_op_by_op_for_stateful_guides_and_traced_constraints():
+    from numpyro.distributions import constraints
+    from numpyro.infer.autoguide import AutoNormal
+
+    # an AutoGuide sets up its prototype on its first call: never under a trace, and one form per object
+    svi = DPSVI(model, AutoNormal(model), numpyro.optim.Adam(0.05), Trace_ELBO(), clipping_threshold=2.0, dp_scale=1.0)
+    first = svi.init(jax.random.key(4), X, batch_size=50)
+    assert svi._op_by_op_init and not svi._inits
+    again = svi.init(jax.random.key(4), X, batch_size=50)
+    for a, b in zip(jax.tree.leaves(first.optim_state), jax.tree.leaves(again.optim_state)):
+        np.testing.assert_array_equal(a, b)
+    svi.run(jax.random.key(5), 10, X, batch_size=50, progress_bar=False)
+
+    # a param constraint built from an array keyword argument would hold a tracer: op by op instead
+    def bounded_guide(x, upper=None, batch_size=None):
+        loc = numpyro.param("loc", 0.5, constraint=constraints.interval(0.0, upper))
+        numpyro.sample("mu", dist.Normal(loc, 0.5))
+
+    def bounded_model(x, upper=None, batch_size=None):
+        model(x, batch_size)
+
+    svi = DPSVI(bounded_model, bounded_guide, numpyro.optim.Adam(0.05), Trace_ELBO(), clipping_threshold=2.0,
+                dp_scale=1.0)
+    result = svi.run(jax.random.key(6), 10, X, upper=jnp.float32(3.0), batch_size=50, progress_bar=False)
+    assert not svi._inits and 0.0 < float(result.params["loc"]) < 3.0

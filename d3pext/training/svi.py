@@ -399,6 +399,8 @@ class DPSVI(SVI):
         self._steps = {}
         self._chunks = {}
         self._isolation_checks = {}
+        self._inits = {}
+        self._op_by_op_init = False  # set for good once tracing init changed the model or guide
         self._known_steps: dict[int, int] = {}  # id(state.num_steps) -> its value, known on the host
 
     # ------------------------------------------------------------------ structure and privacy
@@ -706,6 +708,7 @@ class DPSVI(SVI):
 
             @jax.jit
             def losses(params, key, args, dyn):
+                key = threefry_key(key)
                 kw = {**dyn, **dict(static)}
                 records = (jnp.array([0, last]), jnp.zeros(2, jnp.int32))
                 per_record = lambda isolate: jax.vmap(
@@ -715,7 +718,7 @@ class DPSVI(SVI):
                 return jnp.isclose(own, given, rtol=1e-4, atol=1e-5, equal_nan=True)
 
             self._isolation_checks[static] = losses
-        same = np.asarray(losses(params, threefry_key(rng_key), args, dyn))  # one compiled check, one read
+        same = np.asarray(losses(params, rng_key, args, dyn))  # one compiled check, one read
         for index, same_loss in zip((0, last), same):
             if not same_loss:
                 raise ValueError(
@@ -740,26 +743,17 @@ class DPSVI(SVI):
                 f"rng_key must be a JAX PRNG key such as jax.random.key(0) (or None for a secure key from OS "
                 f"entropy), got {type(rng_key).__name__} {rng_key!r}"
             )
-        # NumPyro draws the plates' random subsamples while it traces for the parameters; DPSVI draws its
-        # batches itself, and tracing with the first indices compiles nothing (NumPyro's CPU subsample is
-        # an eager scan, compiled again on every init)
-        model, guide = self.model, self.guide
-        self.model, self.guide = _FirstIndices(model), _FirstIndices(guide)
+        compiled = self._compiled_init(rng_key, args, kwargs, init_params)
+        if compiled is not None:
+            state, init_key, (model_trace, guide_trace) = compiled
+        else:
+            state, init_key, model_trace, guide_trace = self._eager_init(rng_key, args, kwargs, init_params)
         try:
-            state = super().init(rng_key, *args, init_params=init_params, **kwargs)
-        except Exception as error:
-            self.model, self.guide = model, guide
-            self._diagnose(rng_key, args, kwargs, error)
-            raise
-        finally:
-            self.model, self.guide = model, guide
-        init_key = random.fold_in(state.rng_key, 1)
-        params = self.constrain_fn(self.optim.get_params(state.optim_state))
-        kw = {**kwargs, **self.static_kwargs}
-        guide_trace = trace(seed(_FirstIndices(substitute(self.guide, params)), init_key)).get_trace(*args, **kw)
-        model = _FirstIndices(substitute(replay(self.model, guide_trace), params))
-        model_trace = trace(seed(model, init_key)).get_trace(*args, **kw)
-        structure = self._find_structure(model_trace, guide_trace, args)
+            structure = self._find_structure(model_trace, guide_trace, args)
+        except jax.errors.JAXTypeError:  # the compiled traces hold tracers where the model needs values
+            self._op_by_op_init = True
+            state, init_key, model_trace, guide_trace = self._eager_init(rng_key, args, kwargs, init_params)
+            structure = self._find_structure(model_trace, guide_trace, args)
         sampler = self._make_sampler(structure, args)
         if (structure, sampler) != (self.structure, self.sampler):
             self._steps.clear()  # compiled steps hold the structure, the sampler and sigma
@@ -775,6 +769,89 @@ class DPSVI(SVI):
         # device_put, not jnp.zeros: an eager jnp call compiles a program in every new process
         zero = lambda: jax.device_put(np.zeros((), np.int32))  # noqa: E731
         return DPSVIState(state.optim_state, state.mutable_state, state.rng_key, zero(), zero())
+
+    def _init_traces(self, rng_key, args, kwargs, init_params):
+        """NumPyro's init, then the traces of guide and model that show the structure.
+
+        NumPyro draws the plates' random subsamples while it traces for the parameters; DPSVI draws its
+        batches itself, and tracing with the first indices compiles nothing (NumPyro's CPU subsample is
+        an eager scan, compiled again on every init).
+        """
+        model, guide = self.model, self.guide
+        self.model, self.guide = _FirstIndices(model), _FirstIndices(guide)
+        try:
+            state = super().init(rng_key, *args, init_params=init_params, **kwargs)
+        finally:
+            self.model, self.guide = model, guide
+        init_key = random.fold_in(state.rng_key, 1)
+        params = self.constrain_fn(self.optim.get_params(state.optim_state))
+        kw = {**kwargs, **self.static_kwargs}
+        guide_trace = trace(seed(_FirstIndices(substitute(guide, params)), init_key)).get_trace(*args, **kw)
+        model = _FirstIndices(substitute(replay(model, guide_trace), params))
+        model_trace = trace(seed(model, init_key)).get_trace(*args, **kw)
+        return state, init_key, model_trace, guide_trace
+
+    def _eager_init(self, rng_key, args, kwargs, init_params):
+        try:
+            return self._init_traces(rng_key, args, kwargs, init_params)
+        except Exception as error:
+            self._diagnose(rng_key, args, kwargs, error)
+            raise
+
+    def _compiled_init(self, rng_key, args, kwargs, init_params):
+        """``_init_traces`` as one compiled program, kept per argument shapes; ``None`` where it cannot be.
+
+        Run op by op, init makes every primitive of the model a small program of its own, traced,
+        lowered and compiled again in each new process (about 40 for logistic regression, nearly all of
+        a first init); compiled, it is one program, and the persistent compilation cache keeps it. Falls
+        back (``None``) for a mesh, for a model that needs concrete values while it is traced, and where
+        a constraint of a ``param`` site would hold a traced value.
+        """
+        if self.mesh is not None or self._op_by_op_init:
+            return None
+        dyn, static = _split_kwargs(kwargs)
+        inputs = (rng_key, args, dyn, init_params)
+        leaves, treedef = jax.tree.flatten(inputs)
+        if not all(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves):
+            return None
+        signature = (static, treedef, tuple((jax.typeof(leaf), getattr(leaf, "sharding", None)) for leaf in leaves))
+        if signature not in self._inits:
+            found = {}
+
+            def init(rng_key, args, dyn, init_params):
+                state, init_key, model_trace, guide_trace = self._init_traces(
+                    rng_key, args, {**dyn, **dict(static)}, init_params
+                )
+                found.update(constrain_fn=self.constrain_fn, traces=(model_trace, guide_trace))
+                return state, init_key
+
+            # A model or guide that keeps state on itself (an AutoGuide sets up its prototype on the first
+            # call) would keep traced values: then its state is put back and init runs op by op, from then
+            # on (the compiled and the op-by-op init may round differently: one object, one form).
+            owners = [f for f in (self.model, self.guide) if hasattr(f, "__dict__")]
+            before = [dict(vars(f)) for f in owners]
+            try:
+                executable = jax.jit(init).trace(*inputs).lower().compile()
+            except Exception:  # the op-by-op init runs the model as NumPyro does, and explains its errors
+                executable = None
+            changed = False
+            for f, saved in zip(owners, before):
+                now = vars(f)
+                if now.keys() != saved.keys() or any(now[k] is not v for k, v in saved.items()):
+                    changed = True
+                    now.clear()
+                    now.update(saved)
+            if changed:
+                self._op_by_op_init = True
+            if executable is None or changed:
+                return None
+            transforms = found["constrain_fn"].args[0]
+            if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(transforms)):
+                return None
+            self._inits[signature] = executable, found["constrain_fn"], found["traces"]
+        executable, self.constrain_fn, traces = self._inits[signature]
+        state, init_key = executable(*inputs)
+        return state, init_key, traces
 
     def _private_grad(self, params, rng_key, args, kwargs, stable: bool, batch_mask=None):
         """Noisy, clipped and rescaled gradient of the negative ELBO, the (non-private) loss estimate
