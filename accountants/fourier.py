@@ -1066,7 +1066,8 @@ def approximate_sigma(
 
     A single step and full batches (``q = 1``) have closed forms, solved for sigma directly.
     Otherwise the root of ``epsilon(sigma) = target`` is bracketed in log-log space, starting from a
-    central-limit guess and extrapolating secants, and the bracket shrunk (inverse quadratic
+    central-limit guess (or, where ``q T < 1``, a participation bound if that is smaller) and
+    extrapolating secants, and the bracket shrunk (inverse quadratic
     interpolation, each point placed just above the estimated root) until the upper end lies within
     half a factor ``1 + tol`` of the estimated root (or the ends within ``1 + tol`` of each other).
     Every grid gives an upper bound on epsilon, which exceeds the true one by about ``c dx^2``: the
@@ -1396,7 +1397,9 @@ def _sigma_guess(relation: Relation, target: float, target_delta: float, q: floa
 
     The composed loss is approximated by the Gaussian mechanism's N(mu^2/2, mu^2) with mu^2 equal to
     T times the chi^2 divergence of one step's pair; for small q that is
-    q^2 (e^{1/s^2} - 1) (add/remove) and 4 q^2 sinh(1/s^2) (substitute); exact for q = 1.
+    q^2 (e^{1/s^2} - 1) (add/remove) and 4 q^2 sinh(1/s^2) (substitute); exact for q = 1. Where
+    ``q T < 1`` the smaller of it and :func:`_participation_sigma` (the central limit is poor for
+    large epsilons there: up to a factor e too high in sigma at epsilon 100).
     """
     # mu with Gaussian epsilon(mu) = target (epsilon grows with mu), within [1e-6, 1e4].
     excess = lambda log_mu: _gaussian_log_delta(math.exp(log_mu), target) - math.log(target_delta)
@@ -1409,4 +1412,48 @@ def _sigma_guess(relation: Relation, target: float, target_delta: float, q: floa
     if q == 1.0:
         return _full_batch_mu(relation, 1.0, num_steps) / math.sqrt(mu2)
     k = mu2 / (num_steps * q**2)  # e^{1/s^2} - 1 (add/remove) or 4 sinh(1/s^2) (substitute)
-    return 1.0 / math.sqrt(math.log1p(k) if relation is Relation.ADD_REMOVE else math.asinh(k / 4.0))
+    sigma = 1.0 / math.sqrt(math.log1p(k) if relation is Relation.ADD_REMOVE else math.asinh(k / 4.0))
+    if 1 < num_steps and q * num_steps < 1.0:
+        # Few participations: the central limit overstates sigma for large epsilons (by up to e), where
+        # the participation bound below is close.
+        sigma = min(sigma, _participation_sigma(target, target_delta, q, num_steps, sigma))
+    return sigma
+
+
+def _participation_sigma(target: float, target_delta: float, q: float, num_steps: int, cap: float) -> float:
+    """sigma at which the bound that reveals the steps an example took part in meets the target.
+
+    With K ~ Binomial(T, q) participations, joint convexity gives delta(eps) <= E_K[delta_K(eps)], where
+    delta_K is the Gaussian mechanism's with mu = sqrt(K) / sigma: for add/remove an upper bound on
+    delta, hence on the sigma needed. Used as a guess for both relations (at small q their large losses
+    are alike); it is close where epsilon is large and few examples take part more than once (it is
+    solved only below ``cap``, which it returns where it needs more).
+    """
+    k = np.arange(1, min(num_steps, 64) + 1)
+    log_w = (
+        scipy.special.gammaln(num_steps + 1) - scipy.special.gammaln(k + 1) - scipy.special.gammaln(num_steps - k + 1)
+        + k * math.log(q) + (num_steps - k) * math.log1p(-q)
+    )
+    keep = log_w >= math.log(target_delta) - 20.0
+    k, log_w = k[keep], log_w[keep]
+
+    def excess(log_sigma: float) -> float:  # log E_K[delta_K(target)] - log target_delta, decreasing
+        mu = np.sqrt(k) / math.exp(log_sigma)
+        a = scipy.special.log_ndtr(mu / 2.0 - target / mu)  # as in _gaussian_log_delta
+        b = target + scipy.special.log_ndtr(-mu / 2.0 - target / mu)
+        with np.errstate(divide="ignore"):
+            terms = log_w + np.where(b < a, a + np.log(-np.expm1(np.minimum(b - a, 0.0))), -np.inf)
+        peak = float(terms.max())
+        if peak == -math.inf:
+            return -1e4
+        return max(peak + math.log(float(np.sum(np.exp(terms - peak)))), -1e4) - math.log(target_delta)
+
+    hi = math.log(min(cap, 1e3))
+    if k.size == 0 or excess(hi) >= 0.0:
+        return cap
+    lo = hi - 2.0  # (the central limit is at most about a factor e too high)
+    if excess(lo) <= 0.0:
+        lo = math.log(min(1e-3, cap))
+        if excess(lo) <= 0.0:
+            return cap
+    return math.exp(scipy.optimize.brentq(excess, lo, hi, xtol=1e-3))
