@@ -13,32 +13,87 @@ import pytest
 os.environ.setdefault("D3PEXT_NO_COMPILE_CACHE", "1")
 
 
+# Seconds each of the longest work units takes in the default run, measured one file at a time on
+# the 2-core machine (CPU seconds; notebooks at their CI size). Only the order matters: xdist hands
+# out work units first to last, and by default orders them by their number of tests, which put the
+# longest files (few tests, a minute or more each: flows, multihost, docs, devices, calibration)
+# last, where the run then waited for them alone. Longest first instead; a unit left out counts as
+# 0 (a notebook left out, 120) and keeps xdist's order after these (the many small files fill in
+# at the end).
+LONGEST = {
+    "tests/test_svi.py": 165,
+    "tests/test_minibatch.py": 110,
+    "tests/test_sbi.py": 100,  # with tests/test_arviz.py (SAME_UNIT)
+    "tests/test_counts.py": 100,
+    "tests/test_models.py": 100,
+    "tests/test_multihost.py": 95,  # three JAX processes at once
+    "tests/test_tgm.py": 80,
+    "tests/test_readme.py": 80,
+    "tests/test_flows.py": 75,
+    "tests/test_accelerator_forms.py": 65,
+    "tests/test_expfam.py": 55,
+    "tests/test_notebooks.py::test_notebook_runs[expfam_calibration.ipynb]": 48,
+    "tests/test_notebooks.py::test_notebook_runs[dpvi_hierarchical_logistic.ipynb]": 46,
+    "tests/test_handlers.py": 45,
+    "tests/test_data_parallel.py": 43,
+    "tests/test_docs.py": 36,
+    "tests/test_dpsvi_safety.py": 36,
+    "tests/test_naive_bayes.py": 32,
+    "tests/test_devices.py": 27,
+    "tests/test_cli.py": 26,
+    "tests/test_calibration.py": 24,
+    "tests/test_doctests.py": 20,
+    "tests/test_compile_once.py": 20,
+    "tests/test_sir.py": 20,
+    "tests/test_cached_mcmc.py": 18,
+    "tests/test_rqmc.py": 18,
+    "tests/test_checkpoint.py": 18,
+    "tests/test_regression.py": 17,
+    "tests/test_ghost.py": 16,
+    "tests/test_ledger.py": 16,
+}
+
+# Files that share what a test process computes once (tests/sbi_fits.py: one SPPE fit, about 35 s of
+# compilation) run in one work unit, on one worker, which then computes it once.
+SAME_UNIT = {"tests/test_arviz.py": "tests/test_sbi.py"}
+
+
+def _expected_seconds(scope: str) -> float:
+    # a notebook left out of LONGEST is a slow one (pytest -m slow: one to three minutes each)
+    return LONGEST.get(scope, 120 if "test_notebooks.py::" in scope else 0)
+
+
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile``, except that each notebook is a work unit of its own.
+    """``--dist loadfile``, with each notebook a work unit of its own, the files of SAME_UNIT
+    together, and the longest units (LONGEST) handed out first.
 
     Test modules stay whole (their module-scoped fixtures hold compiled samplers), but the
-    notebooks, which take one to three minutes each at their CI size, are units of their own,
-    handed out first: they spread over the workers while the other files fill in, instead of
-    running last, one after another, on a run that has otherwise finished.
+    notebooks, which take about a minute each at their CI size, are units of their own, so that
+    they spread over the workers while the other files fill in.
     """
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class NotebooksApart(LoadFileScheduling):
+    class LongestFirst(LoadFileScheduling):
+        _ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             if "test_notebooks.py::test_notebook_runs[" in nodeid:
                 return nodeid
-            return super()._split_scope(nodeid)
+            scope = super()._split_scope(nodeid)
+            return SAME_UNIT.get(scope, scope)
 
         def _assign_work_unit(self, node) -> None:
-            # xdist queues the biggest files first and these one-test units last, where each of
-            # them (one to three minutes) would run alone at the end: hand them out first instead
-            for scope in [s for s in self.workqueue if "test_notebooks.py::" in s]:
-                self.workqueue.move_to_end(scope, last=False)
+            # the queue is complete at the first assignment: reorder it once (sorted() is stable)
+            if not self._ordered:
+                self._ordered = True
+                order = sorted(self.workqueue, key=lambda scope: -_expected_seconds(scope))
+                for scope in order:
+                    self.workqueue.move_to_end(scope)
             super()._assign_work_unit(node)
 
-    return NotebooksApart(config, log)
+    return LongestFirst(config, log)
 
 
 # ------------------------------------------------------------ slow tests left out, in the summary

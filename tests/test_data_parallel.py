@@ -75,10 +75,44 @@ def _run(code: str, timeout: int = 900) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+MISPLACED = """
+    from d3pext.training.parallel import check_data, process_slice, shard_records
+    two = Mesh(np.array(jax.devices()[:2]), ("data",))
+    grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    cases = {
+        "outside": (two, jax.device_put(x, jax.devices()[3])),
+        "part": (mesh, jax.device_put(x, jax.devices()[0])),
+        "columns": (mesh, jax.device_put(x, NamedSharding(mesh, P(None, "data")))),
+        "other axis": (grid, jax.device_put(x, NamedSharding(grid, P("model")))),
+    }
+    refused = {}
+    for name, (m, xs) in cases.items():
+        try:
+            new_svi(mesh=m).init(jax.random.key(1), xs, y)
+            refused[name] = "accepted"
+        except ValueError as e:
+            refused[name] = str(e)
+    # what may pass: rows over the data axis, replicated, uncommitted, host arrays
+    for m, spec in ((mesh, P("data")), (mesh, P()), (grid, P("data")), (grid, P()), (two, P("data"))):
+        check_data((jax.device_put(x, NamedSharding(m, spec)), y, np.asarray(x)), m, "data")
+    check_data({"x": jax.device_put(x, jax.devices()[0])}, Mesh(np.array(jax.devices()[:1]), ("data",)), "data")
+    for name, call in (("indivisible", lambda: process_slice(402, mesh)),
+                       ("uneven rows", lambda: shard_records((x[:6], y[:6]), mesh))):
+        try:
+            call()
+            refused[name] = "accepted"
+        except ValueError as e:
+            refused[name] = str(e)
+    xs, ys = shard_records((x[process_slice(N, mesh)], y), mesh)
+    refused["sharded"] = [str(xs.sharding.spec), list(xs.shape), bool((np.asarray(xs) == np.asarray(x)).all())]
+"""
+
+
 @pytest.fixture(scope="module")
 def four_devices() -> dict:
-    """One subprocess for the default checks (JAX start-up and DPSVI.init are the slow part)."""
-    return _run("""
+    """One subprocess for the default checks (JAX start-up and DPSVI.init are the slow part), the
+    refusals of misplaced data (MISPLACED, under ``"refused"``) included."""
+    return _run(textwrap.dedent("""
         one = new_svi()
         state = one.init(jax.random.key(1), x, y)
         # the same DPSVI with a mesh (init, the slow part, with sharded data runs in the slow test)
@@ -115,8 +149,7 @@ def four_devices() -> dict:
                                       jnp.ones(64, bool)).compile()
                 out[f"{clipping} flops {d}"] = compiled.cost_analysis()["flops"]
                 out[f"{clipping} comm {d}"] = communication(compiled.as_text())
-        print(json.dumps(out))
-    """)
+    """) + textwrap.dedent(MISPLACED) + "out['refused'] = refused\nprint(json.dumps(out))\n")
 
 
 @pytest.mark.parametrize("clipping", ["materialize", "ghost"])
@@ -153,43 +186,10 @@ def _logistic(x, y):
         numpyro.sample("y", dist.Bernoulli(logits=xb + b), obs=yb)
 
 
-MISPLACED = """
-    from d3pext.training.parallel import check_data, process_slice, shard_records
-    two = Mesh(np.array(jax.devices()[:2]), ("data",))
-    grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
-    cases = {
-        "outside": (two, jax.device_put(x, jax.devices()[3])),
-        "part": (mesh, jax.device_put(x, jax.devices()[0])),
-        "columns": (mesh, jax.device_put(x, NamedSharding(mesh, P(None, "data")))),
-        "other axis": (grid, jax.device_put(x, NamedSharding(grid, P("model")))),
-    }
-    out = {}
-    for name, (m, xs) in cases.items():
-        try:
-            new_svi(mesh=m).init(jax.random.key(1), xs, y)
-            out[name] = "accepted"
-        except ValueError as e:
-            out[name] = str(e)
-    # what may pass: rows over the data axis, replicated, uncommitted, host arrays
-    for m, spec in ((mesh, P("data")), (mesh, P()), (grid, P("data")), (grid, P()), (two, P("data"))):
-        check_data((jax.device_put(x, NamedSharding(m, spec)), y, np.asarray(x)), m, "data")
-    check_data({"x": jax.device_put(x, jax.devices()[0])}, Mesh(np.array(jax.devices()[:1]), ("data",)), "data")
-    for name, call in (("indivisible", lambda: process_slice(402, mesh)),
-                       ("uneven rows", lambda: shard_records((x[:6], y[:6]), mesh))):
-        try:
-            call()
-            out[name] = "accepted"
-        except ValueError as e:
-            out[name] = str(e)
-    xs, ys = shard_records((x[process_slice(N, mesh)], y), mesh)
-    out["sharded"] = [str(xs.sharding.spec), list(xs.shape), bool((np.asarray(xs) == np.asarray(x)).all())]
-"""
-
-
-def test_misplaced_data_is_refused_clearly():
+def test_misplaced_data_is_refused_clearly(four_devices):
     """Data the split step cannot take as placed gets a d3pext error naming the argument and the fix,
     at init (and at update/run, which check the same way), before anything is traced."""
-    out = _run(MISPLACED + "    print(json.dumps(out))\n", timeout=600)
+    out = four_devices["refused"]
     assert "data argument [0] is on [CpuDevice(id=3)], outside the mesh" in out["outside"], out
     assert "committed to [CpuDevice(id=0)], only part of the mesh's 4 devices" in out["part"], out
     assert "split as P(None, 'data')" in out["columns"], out

@@ -6,6 +6,7 @@ results, not speed.
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -38,21 +39,33 @@ def _run(code: str, timeout: int = 600) -> str:
     return out.stdout
 
 
-def test_sample_releases_over_four_devices_matches_one():
+RELEASES = """
     # 3 releases x 3 chains = 9 chains over 4 devices (padded to 12): the same draws as one device
-    out = _run("""
-        rel = {"x_dp": jnp.array([10.2, 55.0, 80.7])}
-        kw = dict(num_warmup=50, num_samples=100, num_chains=3)
-        one = sample_releases(private, rel, random.key(0), 100, devices=jax.devices()[:1], **kw)
-        four = sample_releases(private, rel, random.key(0), 100, **kw)
-        assert four["theta"].shape == (3, 3, 100)
-        print(float(np.max(np.abs(np.asarray(one["theta"]) - np.asarray(four["theta"])))))
-    """)
-    assert float(out.split()[-1]) < 1e-5
+    rel = {"x_dp": jnp.array([10.2, 55.0, 80.7])}
+    kw = dict(num_warmup=50, num_samples=100, num_chains=3)
+    one = sample_releases(private, rel, random.key(0), 100, devices=jax.devices()[:1], **kw)
+    four = sample_releases(private, rel, random.key(0), 100, **kw)
+    assert four["theta"].shape == (3, 3, 100)
+    print("releases, largest difference:", float(np.max(np.abs(np.asarray(one["theta"]) - np.asarray(four["theta"])))))
+"""
 
 
-def _parallel_chains(models: str) -> str:
-    return _run(models + """
+@pytest.fixture(scope="module")
+def default_run() -> str:
+    """The default checks in one subprocess (a JAX start-up each would cost more than some checks)."""
+    return _parallel_chains("""
+        MODELS = {"gibbs": (private, {"x_dp": jnp.array(41.3)}, (100,))}
+    """, before=RELEASES)
+
+
+def test_sample_releases_over_four_devices_matches_one(default_run):
+    found = re.search(r"releases, largest difference: (\S+)", default_run)
+    assert found, default_run
+    assert float(found.group(1)) < 1e-5
+
+
+def _parallel_chains(models: str, before: str = "") -> str:
+    return _run(textwrap.dedent(before) + textwrap.dedent(models) + textwrap.dedent("""
         for name, (model, data, args) in MODELS.items():
             mcmc = private_posterior(model, data, num_warmup=100, num_samples=100, num_chains=4,
                                      chain_method="parallel", progress_bar=False)
@@ -61,14 +74,11 @@ def _parallel_chains(models: str) -> str:
             leaves = jax.tree.leaves(draws)
             assert all(v.shape[:2] == (4, 100) and np.isfinite(np.asarray(v)).all() for v in leaves), name
             print(name, "ok")
-    """)
+    """))
 
 
-def test_parallel_chains_exponential_family():
-    out = _parallel_chains("""
-        MODELS = {"gibbs": (private, {"x_dp": jnp.array(41.3)}, (100,))}
-    """)
-    assert "gibbs ok" in out
+def test_parallel_chains_exponential_family(default_run):
+    assert "gibbs ok" in default_run
 
 
 @pytest.mark.slow

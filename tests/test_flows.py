@@ -1,5 +1,6 @@
 """Conditional spline flows and their compiled training loop (d3pext.simulation.flows)."""
 
+import functools
 import math
 import sys
 
@@ -44,20 +45,34 @@ def test_flow_learns_a_conditional_gaussian():
         np.testing.assert_allclose(np.asarray(draws.std(0)), [0.5, 0.5], atol=0.1)
 
 
-def test_fast_fit_skips_nonfinite_steps():
+def _poisoned_nll(flow, batch, key):
+    return _nll(flow, batch, key) + jnp.where(batch["bad"] > 0, jnp.nan, 0.0)
+
+
+@pytest.fixture(scope="module")
+def small_trainer():
+    """The trainer of the fast fit, shared with the padding test: a trainer compiles its epoch and
+    validation programs once per flow (_small_flow) and shape (500 training rows, 100 validation
+    rows here)."""
+    return FlowTrainer(_poisoned_nll, learning_rate=1e-2, max_epochs=25, patience=25)
+
+
+@functools.cache
+def _small_flow():
+    # one object: a trainer's compiled programs are keyed on the flow's static part, which a flow
+    # built anew does not share (flows are immutable: fit returns a new one)
+    return conditional_spline_flow(random.key(0), 2, 1, layers=2, width=8, knots=4)
+
+
+def test_fast_fit_skips_nonfinite_steps(small_trainer):
     # fast twin of the test above: a tiny flow, a few epochs, a flagged row poisoning its batch
-    flow = conditional_spline_flow(random.key(0), 2, 1, layers=2, width=8, knots=4)
+    flow = _small_flow()
     data = _gaussian_data(random.key(1), 600)
     data["bad"] = (jnp.arange(600) == 7).astype(jnp.float32)
-
-    def loss(flow, batch, key):
-        return _nll(flow, batch, key) + jnp.where(batch["bad"] > 0, jnp.nan, 0.0)
-
     valid = {k: v[500:] for k, v in data.items()}
     valid["bad"] = jnp.zeros(100)
-    trainer = FlowTrainer(loss, learning_rate=1e-2, max_epochs=25, patience=25)
-    flow2, report = trainer.fit(flow, {k: v[:500] for k, v in data.items()}, 500, valid, 100,
-                                random.key(2))
+    flow2, report = small_trainer.fit(flow, {k: v[:500] for k, v in data.items()}, 500, valid, 100,
+                                      random.key(2))
     assert report.nonfinite_steps == report.epochs  # one poisoned batch per epoch, skipped
     assert all(math.isfinite(v) for v in report.train_losses)
     assert report.best_valid_loss < report.valid_losses[0] - 0.3
@@ -77,14 +92,16 @@ def test_bad_input_and_missing_extra(monkeypatch):
         require_flowjax()
 
 
-def test_validation_ignores_padding_batches():
+def test_validation_ignores_padding_batches(small_trainer):
     # a validation buffer of 3 batches holding one batch of data (the rest NaN padding, as in
-    # early rounds of SPPE/SPLE) gives exactly the loss of the unpadded buffer
-    flow = conditional_spline_flow(random.key(0), 2, 1, layers=1, width=4, knots=4)
-    data = _gaussian_data(random.key(1), 300)
-    padded = {k: v.at[100:].set(jnp.nan) for k, v in data.items()}
+    # early rounds of SPPE/SPLE) gives exactly the loss of the unpadded buffer, epoch after epoch
+    # (the fast fit's trainer and shapes: only the 300-row validation buffer compiles anew)
+    flow = _small_flow()
+    data = _gaussian_data(random.key(1), 500)
+    data["bad"] = jnp.zeros(500)  # no poisoned rows: the loss is the flow's
+    padded = {k: v[:300].at[100:].set(jnp.nan) for k, v in data.items()}
     first = {k: v[:100] for k, v in data.items()}
-    trainer = FlowTrainer(_nll, max_epochs=2)
-    _, a = trainer.fit(flow, data, 300, first, 100, random.key(2))
-    _, b = trainer.fit(flow, data, 300, padded, 100, random.key(2))
+    _, a = small_trainer.fit(flow, data, 500, first, 100, random.key(2))
+    _, b = small_trainer.fit(flow, data, 500, padded, 100, random.key(2))
+    assert a.epochs == b.epochs == 25 and a.nonfinite_steps == 0
     assert a.valid_losses == b.valid_losses and all(math.isfinite(v) for v in a.valid_losses)

@@ -6,10 +6,14 @@ JAX's default Gloo CPU collectives), each loading only its half of the records a
 array with :func:`~d3pext.training.parallel.shard_records`. Checked: the same key gives the same fit.
 Then :func:`~d3pext.training.parallel.shard_records` refuses, across processes, halves of unequal
 size. The processes share this machine's cores: this checks results, not speed.
+
+The one-process run is also the README check of this block (``tests/test_readme.py`` leaves it to this
+file): it runs as written, in a fresh interpreter and a temporary folder, and must print the fit.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -42,8 +46,8 @@ def _env(devices: int | None, port: int | None = None) -> dict:
     return env
 
 
-def _start(code: str, args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+def _start(code: str, args: list[str], env: dict, cwd: Path = ROOT) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -70,11 +74,13 @@ def _fitted(out: str) -> tuple[int, list[float]]:
     return int(found.group(1)), json.loads(found.group(2))
 
 
-def test_two_processes_of_two_devices_give_the_fit_of_one_process():
+def test_two_processes_of_two_devices_give_the_fit_of_one_process(tmp_path):
+    ast.parse(SCRIPT)  # a syntax error reports the block, not a subprocess traceback
     port = _free_port()
-    # all three at once: the reference (one process, one device) and the two processes of the mesh
-    procs = [_start(SCRIPT, [], _env(None))]
-    procs += [_start(SCRIPT, ["2", str(i)], _env(2, port)) for i in range(2)]
+    # all three at once: the reference (one process, one device: the README block run as written) and
+    # the two processes of the mesh; in a temporary folder, as tests/test_readme.py runs README blocks
+    procs = [_start(SCRIPT, [], _env(None), tmp_path)]
+    procs += [_start(SCRIPT, ["2", str(i)], _env(2, port), tmp_path) for i in range(2)]
     one, first, second = _finish(procs)
     devices, w_one = _fitted(one)
     assert devices == 1
