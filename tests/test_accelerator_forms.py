@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 from jax import random
 
-from d3pext.inference.draws import _truncated_normal_from_uniforms, uniform_pairs
+from d3pext._backend import forced_form
+from d3pext.inference.draws import truncated_normal_from_uniforms, uniform_pairs
+
+
+def _in_form(form, fn, *args):
+    """``fn(*args)`` compiled in ``form`` (a fresh jit: nothing traced in another form is reused)."""
+    with forced_form(form):
+        return np.asarray(jax.jit(lambda *a: fn(*a))(*args))
 
 
 @pytest.mark.parametrize("loc", [0.0, 8.0, -3.0])
@@ -22,20 +29,16 @@ def test_truncated_normal_gpu_form_equals_cpu_form(loc):
     n = 3000
     locs = jnp.concatenate([jnp.full(n, loc), jnp.linspace(-2.0, 5.0, n)])
     w = uniform_pairs(random.key(3), locs.shape, jnp.float32)
-    draw = lambda loop: jax.jit(lambda w, m: _truncated_normal_from_uniforms(w, m, 1.0, 1.0, 2.0, loop=loop))(w, locs)
-    looped, selected = np.asarray(draw(True)), np.asarray(draw(False))
+    draw = lambda form: _in_form(form, lambda w, m: truncated_normal_from_uniforms(w, m, 1.0, 1.0, 2.0), w, locs)
+    looped, selected = draw("cpu"), draw("accelerator")
     assert np.all((selected >= 1.0) & (selected <= 2.0))
     np.testing.assert_array_equal(selected, looped)
 
 
 @pytest.fixture
-def accelerator_rejection(monkeypatch):
+def accelerator_rejection():
     """The rejection samplers' accelerator form (many proposals per lane and round) on this backend."""
-    import importlib
-
-    module = importlib.import_module("d3pext.distributions.truncated_gamma")  # the package exports a function of that name
-    monkeypatch.setattr(module, "_candidates_override", module._GPU_CANDIDATES)
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), forced_form("accelerator"):
         yield
 
 
@@ -76,5 +79,5 @@ def test_feistel_rank_walk_gpu_form_equals_cpu_form(num_records, batch_size):
     from d3pext.training.minibatch import _feistel_rank_walk
 
     keys = random.split(random.key(5), 64)
-    walk = lambda outside: jax.jit(jax.vmap(lambda k: _feistel_rank_walk(k, num_records, batch_size, 16, outside)))(keys)
-    np.testing.assert_array_equal(np.asarray(walk(True)), np.asarray(walk(False)))
+    walk = lambda form: _in_form(form, jax.vmap(lambda k: _feistel_rank_walk(k, num_records, batch_size, 16)), keys)
+    np.testing.assert_array_equal(walk("accelerator"), walk("cpu"))

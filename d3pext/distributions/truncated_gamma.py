@@ -44,6 +44,8 @@ from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.util import promote_shapes, validate_sample
 from numpyro.util import is_prng_key
 
+from d3pext._backend import by_backend
+
 __all__ = [
     "TGM",
     "TruncatedGammaMixture",
@@ -379,8 +381,6 @@ _LONG_ROUNDS = 1024
 # proposals per lane and round on accelerators: a lane then rejects a round with probability
 # < 0.54^16 < 1e-4, so among thousands of lanes the loop after the first round seldom runs
 _GPU_CANDIDATES = 16
-# tests set this to run one form on any backend (lax.platform_dependent picks the CPU one there)
-_candidates_override: Optional[int] = None
 
 
 def _log_concave_envelope(a, beta, lam, tau, low, high):
@@ -509,14 +509,9 @@ def _by_rejection(propose, u, retry_key, fallback, params):
     # Each round of a data-dependent loop waits for the host on a GPU, and with thousands of lanes
     # some lane almost always rejects the first proposal (acceptance >= 0.46): there, every lane
     # gets _GPU_CANDIDATES more proposals at once before the loop, which then rarely runs.
-    if _candidates_override is not None:
-        x, ok = rounds_until_accepted(x, ok, _candidates_override)
-    else:
-        x, ok = lax.platform_dependent(
-            x, ok,
-            cpu=partial(rounds_until_accepted, candidates=1),
-            default=partial(rounds_until_accepted, candidates=_GPU_CANDIDATES),
-        )
+    x, ok = by_backend(
+        partial(rounds_until_accepted, candidates=1), partial(rounds_until_accepted, candidates=_GPU_CANDIDATES), x, ok
+    )
     if fallback is None:
         return jnp.where(ok, x, jnp.nan)
 

@@ -23,6 +23,7 @@ from jax.scipy.special import erfinv, log_ndtr, ndtri
 
 import numpyro.distributions as dist
 
+from d3pext._backend import by_backend
 from d3pext.dtypes import float_dtype
 
 __all__ = [
@@ -170,10 +171,9 @@ def truncated_normal(
 def truncated_normal_from_uniforms(w, loc, scale, low, high):
     # On a GPU a data-dependent loop waits for the host every sweep (about as long as the inversion
     # itself for thousands of lanes): there the inversion is computed for every lane and selected.
-    return lax.platform_dependent(
+    return by_backend(
+        partial(_truncated_normal_from_uniforms, loop=True), partial(_truncated_normal_from_uniforms, loop=False),
         w, loc, scale, low, high,
-        cpu=partial(_truncated_normal_from_uniforms, loop=True),
-        default=partial(_truncated_normal_from_uniforms, loop=False),
     )
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from d3pext._backend import by_backend
 from d3pext.accountants import Relation
 
 __all__ = [
@@ -158,8 +159,7 @@ def _chunk_size(num_records: int, batch_size: int, num_bits: int) -> int:
 
 
 def _feistel_rank_walk(
-    rng_key: jax.Array, num_records: int, batch_size: int, num_rounds: int,
-    first_pass_outside: bool | None = None,
+    rng_key: jax.Array, num_records: int, batch_size: int, num_rounds: int
 ) -> jax.Array:
     """The first ``B`` values of ``pi(0), pi(1), ...`` that fall in ``[0, N)``.
 
@@ -195,14 +195,9 @@ def _feistel_rank_walk(
 
     # On a GPU each check of a data-dependent loop waits for the host and each round of a rolled
     # loop is a kernel launch: there the first pass runs before the loop, its rounds unrolled (the
-    # same bits; on a CPU the rolled form compiles in a fraction of the time). ``first_pass_outside``
-    # picks one form on any backend (tests).
+    # same bits; on a CPU the rolled form compiles in a fraction of the time)
     state = (jnp.zeros(batch_size, jnp.int32), jnp.int32(0), jnp.uint32(0))
-    if first_pass_outside is not None:
-        return walk(*state, first_pass_outside)
-    return lax.platform_dependent(
-        *state, cpu=partial(walk, first_pass_outside=False), default=partial(walk, first_pass_outside=True)
-    )
+    return by_backend(partial(walk, first_pass_outside=False), partial(walk, first_pass_outside=True), *state)
 
 
 def _sorted_head(rng_key: jax.Array, num_records: int, batch_size: int) -> jax.Array:
