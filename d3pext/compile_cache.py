@@ -20,6 +20,13 @@ directory already configured through JAX itself (``JAX_COMPILATION_CACHE_DIR`` o
 ``jax.config.update("jax_compilation_cache_dir", ...)``) is kept, unless a directory is passed
 explicitly or set by ``D3PEXT_CACHE_DIR``.
 
+A program is found again only if the next process builds exactly the same program. DPSVI's are (a
+test checks this for the demo's). NumPyro's ``Trace_ELBO`` is not: it sums its per-site terms in the
+order of a Python set of site names, which changes with each process's string hashing, so a plain
+``SVI`` with it often misses the cache. Run such scripts with a fixed ``PYTHONHASHSEED`` (e.g.
+``PYTHONHASHSEED=0 python fit.py``), or use ``TraceMeanField_ELBO`` where its closed-form KL applies
+(the demo's non-private fit does).
+
 As JAX warns, the cache is trusted code: do not point it at a directory that others can write to.
 Delete the directory to clear the cache; JAX evicts nothing by itself (see
 ``jax_compilation_cache_max_size``).
