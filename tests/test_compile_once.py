@@ -36,6 +36,16 @@ def test_counter_sees_a_compilation():
     with compilations() as compiled:
         jax.jit(lambda v: jnp.sin(v) * 3.25 + 0.125)(jnp.arange(7.0)).block_until_ready()
     assert compiled
+    # and a program read back from the test process's compilation cache (tests/conftest.py): the same
+    # program again, from a new function object, whose jit cache misses (JAX's compile event spans
+    # the cache lookup)
+    program = lambda key: jax.random.gamma(key, 2.5, (9,))  # about 0.3 s to compile: cached
+    key = jax.random.key(3)
+    with compilations() as first:
+        jax.jit(program)(key).block_until_ready()
+    with compilations() as again:
+        jax.jit(lambda k: program(k))(key).block_until_ready()
+    assert len(first) == len(again) == 1, (first, again)
 
 
 def test_second_run_compiles_nothing():
