@@ -81,7 +81,8 @@ class AccountingError(RuntimeError):
 
 class SigmaResult(NamedTuple):
     """Result of :func:`approximate_sigma`; unpacks as ``sigma, epsilon, num_evaluations``
-    (``epsilon``: a certified upper bound at ``sigma``, at most the target)."""
+    (``epsilon``: a certified upper bound at ``sigma``, at most the target; ``num_evaluations``: the
+    sigmas at which epsilon was evaluated, on one grid or more)."""
 
     sigma: float
     epsilon: float
@@ -99,12 +100,17 @@ _DX_PER_STD = 2.0**-4  # first grid step, relative to the standard deviation of 
 _DX_COARSEST = 2.0**-4  # and at most this
 _DELTA_FLOOR = 1e-12  # delta() sizes its window for deltas down to this value
 _SEARCH_COARSER = 2  # approximate_sigma's first grid: up to this many times coarser than the initial step
+_SEARCH_CHEAPER = 2  # the search's points: this many grids coarser than its grid (not below the initial one)
+_SCREEN_EXCESS = 0.01  # the first point's coarsest grid screens points if it is this close to the search's
+_SCREEN_FAR = 0.02  # and a point is screened where its estimated log(epsilon / target) is beyond this
+_LADDER_NEAR = 0.5  # the search's grids are chosen at the first point with log(epsilon / target) below this
 # Bulk/tail split (small q).
 _SPLIT_MIN_STDS = 1024.0  # split where one step's window spans more std of its loss than this
 _SPLIT_BULK_STDS = 64.0  # first half-width of the finely gridded bulk, in std of one step's loss
 _SPLIT_MAX_TERMS = 12  # most tail events per block composed exactly
 _SPLIT_COARSE_POINTS = 2**14  # the first coarse grid spans the composed window with at most about this many
 _SPLIT_FINE_LEVELS = 3  # the bulk's grid step is at least the initial step halved this many times
+_SPLIT_BLOCK_QT = 0.15  # blocks of at least this many expected participations, over q (all steps if fewer)
 # dp-accounting fallback.
 _DPA_RTOL = 2e-3
 _MAX_DPA_WINDOW = 1e4  # dp-accounting's grid spans the privacy loss, at 1e-2 (or finer) per point
@@ -534,9 +540,9 @@ class _Composer:
             raise _Untrusted(f"a grid step of {h:.2g} exceeds the grid budget")
         self.n_pos = self.nx - self.n_neg
         self.h, self.unit_hi = h, unit.hi
-        spectrum = self.transform(unit)
+        self.spectrum = self.transform(unit)
         # Powers as exp(T log F) are much faster than complex integer powers, and as accurate.
-        self.log_spectrum = np.log(np.where(spectrum == 0.0, 1e-300, spectrum))
+        self.log_spectrum = np.log(np.where(self.spectrum == 0.0, 1e-300, self.spectrum))
 
     def transform(self, lattice: _Lattice) -> np.ndarray:
         return scipy.fft.rfft(lattice.folded(1 - self.n_neg).in_fft_order(self.nx), workers=-1)
@@ -546,6 +552,15 @@ class _Composer:
         power = np.exp(units * self.log_spectrum)
         return scipy.fft.irfft(power if spectrum is None else power * spectrum, n=self.nx, workers=-1)
 
+    def composed_run(self, first: int, count: int) -> list[np.ndarray]:
+        """``first``, ..., ``first + count - 1`` compositions, FFT order: one power, then products."""
+        power, out = np.exp(first * self.log_spectrum), []
+        for j in range(count):
+            out.append(scipy.fft.irfft(power, n=self.nx, workers=-1))
+            if j + 1 < count:
+                power = power * self.spectrum
+        return out
+
     def wrapped(self, units: int, extra_log_mgf: float = 0.0, extra_hi: int = 0) -> float:
         """Bound on the mass that the upper end of ``units`` compositions (with a lattice of the given
         log-MGF at ``lam`` and top index) wraps around: it appears at a wrong place, counted in delta."""
@@ -554,7 +569,8 @@ class _Composer:
         return math.exp(units * self.log_mgf + extra_log_mgf - self.lam * self.n_pos * self.h)
 
 
-def _block_size(max_steps: int) -> tuple[int, int]:
+@functools.lru_cache(maxsize=64)
+def _block_size(max_steps: int, size: float | None = None) -> tuple[int, int]:
     """(B, k): compose blocks of B steps on the fine grid, the blocks on a grid k times coarser.
 
     The pessimistic discretisation adds at most ``dx^2 / 4`` to the variance of each composed unit,
@@ -564,7 +580,7 @@ def _block_size(max_steps: int) -> tuple[int, int]:
     """
     if max_steps < 512:
         return 1, 1
-    root = math.sqrt(max_steps)
+    root = math.sqrt(max_steps) if size is None else size
     divisors = [b for b in range(math.ceil(root / 2), math.floor(2 * root) + 1) if max_steps % b == 0]
     block = min(divisors, key=lambda b: abs(math.log(b / root))) if divisors else 2 ** round(math.log2(root))
     return block, 2 ** round(math.log2(math.sqrt(block)))
@@ -640,10 +656,13 @@ class _SplitPLD:
 
     def __init__(self, relation: Relation, sigma: float, q: float, dx: float, plan: _Plan):
         max_steps = plan.max_steps
-        self.block, k = _split_scales(max_steps)
-        # k is set on the first grid of the refinement, so that halving dx halves h as well.
+        self.block, k = _split_scales(max_steps, q)
+        # k is set on the first grid of the refinement, so that halving dx halves h as well. Small
+        # blocks: at most about _SPLIT_COARSE_POINTS coarse points on that grid (large blocks: the
+        # balance of _split_scales; a larger k would spend the points on the bulk's grid).
         width = plan.composed.above + plan.composed.below
-        k = max(k, 2 ** max(0, math.ceil(math.log2(width / (_initial_dx(plan) * _SPLIT_COARSE_POINTS)))))
+        if self.block < 512:
+            k = max(k, 2 ** max(0, math.ceil(math.log2(width / (_initial_dx(plan) * _SPLIT_COARSE_POINTS)))))
         # Grids finer than _SPLIT_FINE_LEVELS halvings of the initial step refine only the coarse grid
         # (h halves, k with it): the bulk is resolved far below its spread by then (the variance that
         # connecting the dots adds to it is below 1e-4 of its own), and its grid spans B steps.
@@ -726,6 +745,8 @@ class _SplitPLD:
         terms = min(self.terms, num_steps)
         spectrum = np.zeros(self.nx // 2 + 1, dtype=complex)
         missing = 0.0
+        fine_run = self.fine.composed_run(num_steps - terms, terms + 1)  # num_steps - terms, ..., num_steps
+        tail_power = None
         for i in range(terms + 1):
             log_weight = (
                 float(scipy.special.gammaln(num_steps + 1) - scipy.special.gammaln(i + 1) - scipy.special.gammaln(num_steps - i + 1))
@@ -733,11 +754,13 @@ class _SplitPLD:
                 + (i * math.log(self.p_tail) if i else 0.0)
             )
             weight = math.exp(log_weight)
-            fine = self.fine.composed(num_steps - i)
+            fine = fine_run[terms - i]
             missing += weight * _rounding_noise(fine)  # dropped by coarsening
             bulk = _Lattice.from_fft_order(fine, self.fine.n_neg, self.dx).coarsened(self.k)
             term = scipy.fft.rfft(bulk.in_fft_order(self.nx), workers=-1)
-            spectrum += weight * (term if i == 0 else term * self.tail_spectrum**i)
+            if i:
+                tail_power = self.tail_spectrum if i == 1 else tail_power * self.tail_spectrum
+            spectrum += weight * (term if i == 0 else term * tail_power)
             missing += weight * self.fine.wrapped(num_steps - i)
         if self.terms and num_steps > terms:
             total = self.p_bulk + self.p_tail
@@ -771,11 +794,24 @@ class _SplitPLD:
         return np.arange(1, grid.n_pos) * grid.h, values[1 : grid.n_pos], missing
 
 
-def _split_scales(max_steps: int) -> tuple[int, int]:
-    """(B, k) of :class:`_SplitPLD`: blocks as in :func:`_block_size`, or one block of all steps."""
-    if max_steps >= 512:
-        return _block_size(max_steps)
-    return max_steps, 2 ** round(math.log2(math.sqrt(max_steps)))
+def _split_scales(max_steps: int, q: float) -> tuple[int, int]:
+    """(B, k) of :class:`_SplitPLD`: blocks of B steps, the coarse grid k times the fine one.
+
+    Connecting the dots adds about ``dx^2 / 6`` to the variance of the composed loss per step on the
+    fine grid, and about ``h^2 / 6`` per block coarsened onto the coarse one (T / B blocks), which is
+    what the epsilon's excess follows. Blocks of about ``_SPLIT_BLOCK_QT / q`` steps (or all steps;
+    at least ``sqrt(T)``) rarely hold more than a few tail events, so their expansion stays short,
+    and few coarsenings let ``h`` be coarser for the same excess; ``k`` a little below ``sqrt(B)``
+    balances the two errors (measured at q = 1e-5 and 1e-4: 2-4 times fewer points than B ~ sqrt(T)
+    for the same excess). Below 512 steps: one block.
+    """
+    if max_steps < 512:
+        return max_steps, 2 ** round(math.log2(math.sqrt(max_steps)))
+    size = max(math.sqrt(max_steps), _SPLIT_BLOCK_QT / q)
+    if size >= max_steps:
+        return max_steps, 2 ** round(math.log2(math.sqrt(max_steps)) - 0.25)
+    block = _block_size(max_steps, size)[0]
+    return block, 2 ** round(math.log2(math.sqrt(block)) - 0.25)
 
 
 def _make_pld(relation: Relation, sigma: float, q: float, dx: float, plan: _Plan) -> "_FourierPLD | _SplitPLD":
@@ -1071,17 +1107,23 @@ def approximate_sigma(
     interpolation, each point placed just above the estimated root) until the upper end lies within
     half a factor ``1 + tol`` of the estimated root (or the ends within ``1 + tol`` of each other).
     Every grid gives an upper bound on epsilon, which exceeds the true one by about ``c dx^2``: the
-    first point starts two grids coarser than the initial step (:data:`_SEARCH_COARSER`) and estimates
-    each grid's excess from the difference of two successive ones (Richardson), going straight to the
-    coarsest grid that overstates epsilon by less than about ``tol / 4``; all points use grids of that
-    step relative to the spread of one step's loss. The upper end of the bracket and its epsilon on
-    that grid (at most the target) are returned; unless the result lies close to the first point and
-    the first point's excess was far below the tolerance, one grid coarser at the result estimates
-    the excess there, and where it exceeds ``tol / 2`` the search goes on one grid finer.
-    :func:`epsilon`, on refined grids, gives at most that value (up to ~1e-6 relative). Results are
-    cached. Typically 4 to 7 grid evaluations, 10-150 ms of CPU time for any epsilon in [0.01, 100],
-    up to 1e6 steps and sampling rates down to 1e-4, and up to ~0.6 s at rate 1e-5 with epsilon
-    0.01-0.1 (small rates use split grids, see :class:`_SplitPLD`). Deltas below about 1e-9 together
+    first point (or, where its epsilon is far above the target, the first one closer to it) starts two
+    grids coarser than the initial step (:data:`_SEARCH_COARSER`) and estimates each grid's excess
+    from the difference of two successive ones (Richardson), which sets the search's grid: the
+    coarsest that overstates epsilon by less than about ``tol / 4``, at every sigma the same step
+    relative to the spread of one step's loss. The points of the search are evaluated on a grid up to
+    two halvings coarser (:data:`_SEARCH_CHEAPER`; points far from the root on the coarsest grid),
+    their epsilons corrected by the difference between the grids measured at the last certified
+    point; the upper end of the bracket is certified on the search's grid, and where it then lies
+    more than 3/4 of the tolerance above the estimated root the bracket is searched again. The upper
+    end and its epsilon on the search's grid (a certified upper bound, at most the target) are
+    returned; unless the result lies close to the first point and the first point's excess was far
+    below the tolerance, the coarser grid at the result estimates the excess there, and where it
+    exceeds ``tol / 2`` the search goes on on a finer grid. :func:`epsilon`, on refined grids, gives at
+    most that value (up to ~1e-6 relative). Results are cached. Typically 3 to 6 sigmas; on a 2-core
+    machine at most about 0.15 s of CPU time for any epsilon in [0.01, 100], up to 1e6 steps and rates
+    down to 1e-5, under 0.07 s for rates of 0.01 and more (small rates use split grids, see
+    :class:`_SplitPLD`). Deltas below about 1e-9 together
     with rates below about 1e-4 can need dp-accounting's slow fallback (FFT rounding noise reaches
     delta).
 
@@ -1172,90 +1214,170 @@ def _closed_form_sigma(
 def _searched_sigma(
     relation: Relation, target: float, target_delta: float, q: float, num_steps: int, tol: float
 ) -> SigmaResult:
-    evaluations = 0
     steps = np.array([num_steps])
-    values: dict[float, float] = {}  # epsilon (an upper bound) at each log sigma evaluated
-    fourier_points: set[float] = set()  # the log sigmas whose value is from the search's grid
+    sampled: set[float] = set()  # the log sigmas evaluated (num_evaluations)
+    cheap: dict[float, float] = {}  # epsilon on the cheap grid at each log sigma (inf: out of the window)
+    values: dict[float, float] = {}  # certified epsilon (an upper bound) on the search's grid, or dp-accounting's
+    fallback: set[float] = set()  # the log sigmas whose value is from dp-accounting (no grid to compare)
     level_shift = None  # the search's grid step: the initial one at each sigma, halved this many times
+    cheap_shift = None  # the grid of the search's points: up to _SEARCH_CHEAPER grids coarser than level_shift
+    correction = (0.0, 0.0)  # search's grid's epsilon minus, and over, the cheap grid's (last certified point)
     first_excess = math.inf  # the first point's estimated relative excess on the search's grid
+    screen_shift = None  # a still coarser grid for points far from the root (None: none)
+    screen_correction = (0.0, 0.0)  # as correction, for the screening grid (at the first point)
+    screened: dict[float, float] = {}  # epsilon on the screening grid at points far from the root
+    coarse: dict[float, float] = {}  # epsilon on the screening grid at every point evaluated there
+    ladder_point = None  # the log sigma where the grids were chosen
 
     def level(sigma: float, plan: _Plan, shift: int) -> float:
         return _epsilon_level(relation, sigma, q, (num_steps,), target_delta, _initial_dx(plan) / 2.0**shift)[0]
 
-    def excess(log_sigma: float) -> float:
-        """log(epsilon / target) at sigma = exp(log_sigma); inf where the loss is out of the window.
+    def first_shift(plan: _Plan) -> int:
+        """Up to _SEARCH_COARSER grids coarser than the initial one, at most _DX_COARSEST."""
+        return -min(_SEARCH_COARSER, max(math.floor(math.log2(_DX_COARSEST / _initial_dx(plan)) + 1e-9), 0))
 
-        Every grid gives an upper bound on epsilon, which exceeds the true one by about ``c dx^2``. The
-        first evaluation takes two grids; ``4/3`` of their change estimates the coarser one's excess,
-        from which the grid step whose excess is below ``tol / 4`` follows (Richardson): the search
-        goes there at once, and all points of the search then use that relative step (the initial
-        step at their sigma, halved ``level_shift`` times), so the sigma found is at most about
-        ``tol / 4`` above the smallest one.
+    def ladder(sigma: float, plan: _Plan) -> tuple[dict[int, float], float]:
+        """Epsilons on the first point's grids, from up to _SEARCH_COARSER grids coarser than the initial one
+        (at most _DX_COARSEST), and the estimated epsilon on the search's grid, which it sets.
+
+        Every grid gives an upper bound on epsilon, which exceeds the true one by about ``c dx^2``:
+        ``4/3`` of the change between two grids estimates the coarser one's excess, from which the grid
+        step whose excess is below ``tol / 4`` follows (Richardson); all points of the search then use
+        that relative step, so the sigma found is at most about ``tol / 4`` above the smallest one. The
+        excess is about the same in absolute terms near the target for small q, so it is measured
+        against the smaller of epsilon and the target. A grid finer than those evaluated is not
+        evaluated here (the first point is rarely the result): its epsilon is extrapolated.
         """
-        nonlocal evaluations, level_shift, first_excess
-        evaluations += 1
-        sigma = math.exp(log_sigma)
-        if not 1e-100 < sigma < 1e100:
-            raise AccountingError(f"no sigma meets epsilon={target}, delta={target_delta}: the search reached {sigma:.3g}")
-        fourier_points.discard(log_sigma)
-        try:
+        nonlocal level_shift, first_excess
+        shift = first_shift(plan)
+        eps, previous = level(sigma, plan, shift), None
+        found = {shift: eps}
+        while shift < 12:
+            try:
+                finer = level(sigma, plan, shift + 1)
+            except _Untrusted as err:  # grid budget: search on the finest grid that fits
+                if isinstance(err, _OutOfWindow):
+                    raise
+                break
+            found[shift + 1] = finer
+            change = max(eps - finer, 0.0)
+            need = 0.25 * tol * min(finer, target) + _EPS_ATOL
+            # Errors shrink by 4 per halving once the grid resolves the PLD (checked on the last two
+            # changes); before that, by 2 at worst: the excess of the finer grid is about change / 3
+            # (else at most change), of the coarser change more.
+            ratio = 0.25 if previous is not None and change <= 0.3 * previous else 0.5
+            finer_excess = change * ratio / (1.0 - ratio)
+            if change + finer_excess <= need:
+                first_excess = (change + finer_excess) / max(eps, 1e-300)
+                break
+            shift, eps = shift + 1, finer
+            if finer_excess <= need:
+                first_excess = finer_excess / max(finer, 1e-300)
+                break
+            if ratio == 0.25:  # straight to the grid wanted, extrapolated (certify() steps back where it
+                wanted = shift + 1  # exceeds the budget; the result's grid is checked)
+                while wanted < 12 and finer_excess / 4.0 ** (wanted - shift) > need:
+                    wanted += 1
+                left = finer_excess / 4.0 ** (wanted - shift)
+                eps = finer - (finer_excess - left)
+                first_excess = left / max(eps, 1e-300)
+                shift = wanted
+                break
+            previous = change
+        level_shift = shift
+        return found, found.get(shift, eps)
+
+    def certify(log_sigma: float) -> float:
+        """The certified epsilon at exp(log_sigma), on the search's grid: where that exceeds the grid budget,
+        on the finest grid that fits (the search's grid from then on), else dp-accounting's."""
+        nonlocal correction, level_shift, screen_shift, screen_correction
+        if log_sigma not in values:
+            sigma = math.exp(log_sigma)
             plan = _cached_plan(relation, sigma, q, num_steps, target_delta)
-            if plan.composed.above > _MAX_WINDOW:
-                raise _OutOfWindow("the composed privacy loss is beyond the window")
-            if level_shift is None:
-                # Start up to _SEARCH_COARSER grids coarser than the initial one (at most _DX_COARSEST):
-                # most cells need no finer grid, and coarse grids are cheap.
-                room = math.floor(math.log2(_DX_COARSEST / _initial_dx(plan)) + 1e-9)
-                shift = -min(_SEARCH_COARSER, max(room, 0))
-                eps, previous = level(sigma, plan, shift), None
-                while shift < 12:
-                    try:
-                        finer = level(sigma, plan, shift + 1)
-                    except _Untrusted as err:  # grid budget: search on the finest grid that fits
-                        if isinstance(err, _OutOfWindow):
-                            raise
-                        break
-                    change = max(eps - finer, 0.0)
-                    need = 0.25 * tol * finer + _EPS_ATOL
-                    # Errors shrink by 4 per halving once the grid resolves the PLD (checked on the last
-                    # two changes); before that, by 2 at worst: the excess of the finer grid is about
-                    # change / 3 (else at most change), of the coarser change more.
-                    ratio = 0.25 if previous is not None and change <= 0.3 * previous else 0.5
-                    finer_excess = change * ratio / (1.0 - ratio)
-                    if change + finer_excess <= need:
-                        first_excess = (change + finer_excess) / max(eps, 1e-300)
-                        break
-                    shift, eps = shift + 1, finer
-                    if finer_excess <= need:
-                        first_excess = finer_excess / max(finer, 1e-300)
-                        break
-                    if ratio == 0.25:  # straight to the grid wanted (or the finest that fits the budget)
-                        wanted = shift + 1
-                        while wanted < 12 and finer_excess / 4.0 ** (wanted - shift) > need:
-                            wanted += 1
-                        while wanted > shift:
-                            try:
-                                eps = level(sigma, plan, wanted)
-                                first_excess = finer_excess / 4.0 ** (wanted - shift) / max(eps, 1e-300)
-                                shift = wanted
-                                break
-                            except _Untrusted as err:
-                                if isinstance(err, _OutOfWindow):
-                                    raise
-                                wanted -= 1
-                        break
-                    previous = change
-                level_shift = shift
-            else:
-                eps = level(sigma, plan, level_shift)
-            fourier_points.add(log_sigma)
-        except _OutOfWindow:
+            while log_sigma not in values:
+                try:
+                    values[log_sigma] = level(sigma, plan, level_shift)
+                except _Untrusted:
+                    if level_shift <= cheap_shift:
+                        values[log_sigma] = float(_composed_epsilon(relation, sigma, q, steps, target_delta)[0][0])
+                        fallback.add(log_sigma)
+                    else:
+                        level_shift -= 1
+        unscreen(log_sigma)
+        if log_sigma not in fallback and math.isfinite(cheap[log_sigma]):
+            correction = _grid_correction(cheap[log_sigma], values[log_sigma])
+            if log_sigma in coarse:  # the screening grid's error changes with sigma as well
+                screen_correction = _grid_correction(coarse[log_sigma], values[log_sigma])
+                if abs(screen_correction[1]) > _SCREEN_EXCESS:  # too coarse here: no more screening
+                    screen_shift = None
+        return values[log_sigma]
+
+    def unscreen(log_sigma: float) -> None:
+        """Evaluate a screened point on the cheap grid."""
+        if log_sigma not in cheap:
+            sigma = math.exp(log_sigma)
+            cheap[log_sigma] = level(sigma, _cached_plan(relation, sigma, q, num_steps, target_delta), cheap_shift)
+
+    def excess(log_sigma: float) -> float:
+        """Estimated log(epsilon / target) on the search's grid at sigma = exp(log_sigma); inf where the loss
+        is out of the window. Certified values where known, else the cheap grid's (far from the root the
+        screening grid's) corrected as measured at the last certified point (:func:`_corrected_log`)."""
+        nonlocal cheap_shift, correction, screen_shift, screen_correction, ladder_point
+        sampled.add(log_sigma)
+        if log_sigma in screened and log_sigma not in cheap:
+            return _corrected_log(screened[log_sigma], screen_correction) - math.log(target) + 1e-5
+        if log_sigma not in cheap:
+            sigma = math.exp(log_sigma)
+            if not 1e-100 < sigma < 1e100:
+                raise AccountingError(f"no sigma meets epsilon={target}, delta={target_delta}: the search reached {sigma:.3g}")
+            try:
+                plan = _cached_plan(relation, sigma, q, num_steps, target_delta)
+                if plan.composed.above > _MAX_WINDOW:
+                    raise _OutOfWindow("the composed privacy loss is beyond the window")
+                if level_shift is None:
+                    # Points far above the target (small q, small epsilon: the first ones, often) only steer
+                    # the bracket: the grids are chosen at the first point closer to it, where the excess
+                    # matters (their convergence differs there; below the target the first point does).
+                    coarse[log_sigma] = level(sigma, plan, first_shift(plan))
+                    f_coarse = math.log(max(coarse[log_sigma], 1e-300) / target)
+                    if f_coarse > _LADDER_NEAR:
+                        screened[log_sigma] = coarse[log_sigma]
+                        return f_coarse + 1e-5
+                    ladder_point = log_sigma
+                    found, estimate = ladder(sigma, plan)
+                    # (grids coarser than the initial one are cheap anyway, and their errors less regular)
+                    below = [s for s in found if s <= max(level_shift - _SEARCH_CHEAPER, min(level_shift, 0))]
+                    cheap_shift = max(below) if below else min(found)
+                    cheap[log_sigma] = found[cheap_shift]
+                    if level_shift in found:
+                        values[log_sigma] = estimate
+                    correction = _grid_correction(cheap[log_sigma], estimate)
+                    coarsest = min(found)
+                    if coarsest < cheap_shift and found[coarsest] - estimate <= _SCREEN_EXCESS * estimate:
+                        screen_shift, screen_correction = coarsest, _grid_correction(found[coarsest], estimate)
+                        coarse[log_sigma] = found[coarsest]
+                else:
+                    if screen_shift is not None:
+                        # Points whose estimate is far from the target only steer the bracket.
+                        coarse[log_sigma] = level(sigma, plan, screen_shift)
+                        f_coarse = _corrected_log(coarse[log_sigma], screen_correction) - math.log(target)
+                        if abs(f_coarse) > _SCREEN_FAR:
+                            screened[log_sigma] = coarse[log_sigma]
+                            return f_coarse + 1e-5
+                    cheap[log_sigma] = level(sigma, plan, cheap_shift)
+            except _OutOfWindow:
+                cheap[log_sigma] = math.inf
+            except _Untrusted:  # grid budget: the checked value, from dp-accounting if need be
+                cheap[log_sigma] = values[log_sigma] = float(_composed_epsilon(relation, sigma, q, steps, target_delta)[0][0])
+                fallback.add(log_sigma)
+        if log_sigma in values:
+            log_eps = math.log(max(values[log_sigma], 1e-300))
+        elif math.isfinite(cheap[log_sigma]):
+            log_eps = _corrected_log(cheap[log_sigma], correction)
+        else:
             return math.inf
-        except _Untrusted:  # grid budget: the checked value, from dp-accounting if need be
-            eps = float(_composed_epsilon(relation, sigma, q, steps, target_delta)[0][0])
-        values[log_sigma] = eps
         # (a margin of 1e-5: the checked epsilon, on finer grids, may differ from this one by ~1e-6)
-        return math.log(max(eps, 1e-300) / target) + 1e-5
+        return log_eps - math.log(target) + 1e-5
 
     def guess(target_eps: float) -> float:
         return math.log(_sigma_guess(relation, target_eps, target_delta, q, num_steps))
@@ -1285,6 +1407,14 @@ def _searched_sigma(
         (lo, f_lo), (hi, f_hi) = sorted(points[-2:])
         return lo, f_lo, hi, f_hi
 
+    def restart(start: float, slope: float) -> tuple[list, tuple[float, float, float, float]]:
+        """Bracket again from ``start`` (with the excesses re-estimated), the first step from the slope a
+        little beyond the estimated root."""
+        points = [(x, excess(x)) for x, _ in all_points if x != start] + [(start, excess(start))]
+        f_start = points[-1][1]
+        step = (abs(f_start / slope) if slope < 0.0 else 0.0) * 1.1 + 0.5 * width_tol
+        return points, bracket(points, step)
+
     # Bracket the root of the decreasing excess(log sigma), starting from a central-limit guess; the
     # second point carries the guess's error at the first over as a factor on epsilon.
     width_tol = math.log1p(tol)
@@ -1294,43 +1424,76 @@ def _searched_sigma(
     factor = math.exp(-min(f_first, math.log(4.0))) if f_first > 0.0 else math.exp(min(-f_first, math.log(4.0)))
     step = abs(guess(target * factor) - first) + 0.5 * width_tol
     lo, f_lo, hi, f_hi = bracket(points, step)
+    all_points = points
 
-    # Shrink the bracket on this grid (or stop where the upper end is within half the tolerance of the
-    # estimated root), then check the grid's excess at the result (at most four rounds).
-    for _ in range(4):
+    # Shrink the bracket with the cheap grid's estimates (or stop where the upper end is within half the
+    # tolerance of the estimated root); certify the upper end on the search's grid, which also measures
+    # the correction there: where the certified value exceeds the target, or the corrected estimate puts
+    # the root farther below than 3/4 of the tolerance, bracket again. Then check the grid's excess at
+    # the result (at most eight rounds in all).
+    for _ in range(8):
         lo, f_lo, hi, f_hi = _shrink_bracket(excess, points, lo, f_lo, hi, f_hi, width_tol, close_enough)
+        all_points = points
+        if not math.isfinite(f_lo) or level_shift is None:
+            break
+        if hi not in values:
+            certify(hi)
+            points = [(x, excess(x)) for x, _ in points]
+            all_points = points
+        f_hi, f_lo = excess(hi), excess(lo)
+        if lo not in cheap and f_lo <= 2.0 * _SCREEN_FAR:  # a screened lower end close to the root
+            unscreen(lo)
+            f_lo = excess(lo)
+        slope = (f_hi - f_lo) / (hi - lo) if math.isfinite(f_lo) and hi > lo else -1.0
+        if f_hi > 0.0:  # above the target on the search's grid: the root lies higher
+            points, (lo, f_lo, hi, f_hi) = restart(hi, slope)
+            continue
+        if f_lo <= 0.0:  # the corrected estimate at lo is below the target too: the root lies lower
+            points, (lo, f_lo, hi, f_hi) = restart(lo, slope)
+            continue
+        # (a certified upper end within 3/4 of the tolerance of the root is kept: the points are placed
+        # 0.3 of it above the estimated root, and a new correction moves that estimate a little)
+        if hi - lo > 0.5 or hi - _estimate_root(points, lo, f_lo, hi, f_hi) > 0.75 * width_tol:
+            continue  # shrink further with the corrected estimates
         # The grid's excess at the result: its relative step at this sigma may differ from the first
         # point's by a factor 2 (the error by 4), and the error itself changes with sigma. Where the
         # first point's excess leaves room for that and the result's epsilon is within a factor 1.5 of
-        # the first point's, it is taken as is; else one grid coarser at the result estimates it
-        # (Richardson, 1/3 of the change), and where it exceeds tol / 2 the search goes on from the
-        # result on the grid whose estimated excess is below tol / 4.
-        if level_shift is None or hi not in fourier_points or not math.isfinite(f_lo):
+        # the first point's, it is taken as is; else the cheap grid (or one grid coarser) at the result
+        # estimates it (Richardson, 1 / (4^d - 1) of the change over d halvings), and where it exceeds
+        # tol / 2 the search goes on from the result on the grid whose estimated excess is below tol / 4.
+        if hi in fallback:
             break
-        if hi == first and first_excess <= 0.25 * tol:
+        if hi == ladder_point and first_excess <= 0.25 * tol:
             break
-        if first_excess <= tol / 32.0 and abs(f_hi - f_first) <= math.log(1.5):  # near the first point
+        f_ladder = math.log(max(values.get(ladder_point, cheap.get(ladder_point, math.inf)), 1e-300) / target)
+        if first_excess <= tol / 32.0 and abs(f_hi - f_ladder) <= math.log(1.5):  # near the ladder's point
             break
-        sigma_hi = math.exp(hi)
-        plan = _cached_plan(relation, sigma_hi, q, num_steps, target_delta)
-        try:
-            coarser = level(sigma_hi, plan, level_shift - 1)
-        except _Untrusted:
-            break
-        grid_excess = max(coarser - values[hi], 0.0) / 3.0
+        if cheap_shift < level_shift:
+            halvings_apart, coarser = level_shift - cheap_shift, cheap[hi]
+        else:
+            try:
+                plan = _cached_plan(relation, math.exp(hi), q, num_steps, target_delta)
+                halvings_apart, coarser = 1, level(math.exp(hi), plan, level_shift - 1)
+            except _Untrusted:
+                break
+        grid_excess = max(coarser - values[hi], 0.0) / (4.0**halvings_apart - 1.0)
         if grid_excess <= 0.5 * tol * values[hi] + _EPS_ATOL:
             break
         halvings = 1
         while halvings < 6 and grid_excess / 4.0**halvings > 0.25 * tol * values[hi] + _EPS_ATOL:
             halvings += 1
-        slope = (f_hi - f_lo) / (hi - lo)  # of the bracket, on the coarser grid (< 0)
+        # The finer grids lower epsilon: hi still meets the target; the root lies below it. The cheap grid
+        # moves along; the values so far are forgotten (hi is certified again on the finer grid).
         level_shift += halvings
-        # The finer grid lowers epsilon: hi still meets the target; the root lies below it. Bracket
-        # again from hi, the first step from the slope a little beyond the estimated root.
-        points = [(hi, excess(hi))]
-        f_new = points[0][1]
-        step = (f_new / slope if slope < 0.0 and f_new <= 0.0 else 0.0) * 1.1 + 0.5 * width_tol
-        lo, f_lo, hi, f_hi = bracket(points, step)
+        cheap_shift += halvings
+        screen_shift = None
+        cheap.clear()
+        values.clear()
+        screened.clear()
+        coarse.clear()
+        all_points = [(hi, excess(hi))]
+        certify(hi)
+        points, (lo, f_lo, hi, f_hi) = restart(hi, slope)
     if not math.isfinite(f_lo):
         eps_hi = target * math.exp(f_hi)
         raise AccountingError(
@@ -1339,7 +1502,27 @@ def _searched_sigma(
             f"{_MAX_WINDOW:g}, outside the range of tight accounting; an epsilon this large is no meaningful "
             "guarantee"
         )
-    return SigmaResult(math.exp(hi), values[hi], evaluations)
+    for _ in range(64):  # (where the rounds ran out before hi was certified below the target)
+        excess(hi)
+        if certify(hi) <= target:
+            return SigmaResult(math.exp(hi), values[hi], len(sampled))
+        hi += 0.25 * width_tol
+    raise AccountingError(f"no sigma with a certified epsilon below {target} was found near {math.exp(hi):.6g}")
+
+
+def _grid_correction(cheap: float, fine: float) -> tuple[float, float]:
+    """How a finer grid's epsilon differs from a coarser one's: the difference and the log ratio."""
+    return fine - cheap, math.log(max(fine, 1e-300) / max(cheap, 1e-300))
+
+
+def _corrected_log(cheap: float, correction: tuple[float, float]) -> float:
+    """log of the finer grid's epsilon estimated from a coarser grid's. Neither model of the grid's excess
+    holds everywhere (small q: about the same absolute excess; large epsilon: it grows faster than
+    epsilon): the larger estimate of the two."""
+    if not math.isfinite(cheap):
+        return math.inf
+    difference, log_ratio = correction
+    return math.log(max(cheap + difference, cheap * math.exp(log_ratio), 1e-300))
 
 
 def _shrink_bracket(

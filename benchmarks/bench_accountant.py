@@ -2,12 +2,14 @@
 
 Run ``python benchmarks/bench_accountant.py`` (several minutes on two cores; ``--grid`` runs only the
 approximate_sigma grid below, ``--q 1e-4,1e-3`` picks its sampling rates, ``--before`` adds the
-previous implementation side by side). For each setting it prints the runtime of d3pext, of
-fourier-accountant at its defaults (nx = 1e6, L = 20) and of dp-accounting's PLD accountant at its
-default grid (value_discretization_interval = 1e-4), their ratios, and each result's relative error
-against dp-accounting on a fine grid (1e-5 for epsilon below 1, 1e-4 below 10, 1e-3 above: a few 1e-5
-of the value at most; where that grid is dp-accounting's default, its own error is not shown). For
-approximate_sigma the reference is the sigma on which all tight accountants agree to 0.02%.
+previous implementation side by side, ``--against FILE`` another copy of ``fourier.py``, for instance
+``git show HEAD:accountants/fourier.py > /tmp/fourier_head.py``). For each setting it prints the
+runtime of d3pext, of fourier-accountant at its defaults (nx = 1e6, L = 20) and of dp-accounting's
+PLD accountant at its default grid (value_discretization_interval = 1e-4), their ratios, and each
+result's relative error against dp-accounting on a fine grid (1e-5 for epsilon below 1, 1e-4 below
+10, 1e-3 above: a few 1e-5 of the value at most; where that grid is dp-accounting's default, its own
+error is not shown). For approximate_sigma the reference is the sigma on which all tight accountants
+agree to 0.02%.
 
 Last, approximate_sigma over the issue's grid (epsilon 0.01-100, 1-1e6 steps, q = 1e-5 to 0.1, both
 relations), each call with cold caches: the worst wall-clock and CPU time per sampling rate, and with
@@ -15,10 +17,13 @@ relations), each call with cold caches: the worst wall-clock and CPU time per sa
 previous implementation on the same cells in the same run (one grid of fine step over the whole
 window of one step, every bracketing point checked by refinement; kept here only): it falls back to
 dp-accounting at q = 1e-5 (minutes per cell), so it is capped at ``--before-cap`` seconds per cell.
+``--against`` times the given copy of the module on each cell right after the current one (the same
+machine state for both): the worst cell per sampling rate of each, by CPU time.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 
@@ -172,31 +177,42 @@ def legacy_approximate_sigma(target, delta, q, num_steps, relation, cap):
         fourier._SPLIT_MIN_STDS = saved
 
 
-def _time_cell(call):
-    fourier._clear_caches()
+def load_module(path):
+    """A copy of fourier.py, imported from ``path`` as a module of its own."""
+    spec = importlib.util.spec_from_file_location("fourier_against", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _time_cell(call, module=fourier):
+    module._clear_caches()
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         result = call()
         note = f"({result.num_evaluations})"
-    except AccountingError:
+    except (AccountingError, module.AccountingError):
         note = "(refused)"
     except _CellTimeout:
         note = "(cap)"
     return time.perf_counter() - wall, time.process_time() - cpu, note
 
 
-def sigma_grid(qs=GRID_QS, before=False, cap=30.0, cells=False):
+def sigma_grid(qs=GRID_QS, before=False, cap=30.0, cells=False, against=None):
     """approximate_sigma's worst wall and CPU time per q over the grid, cold caches; returns the worst wall time."""
     approximate_sigma(1.0, DELTA, 0.01, 1000)  # imports and first calls
     if before:
         legacy_approximate_sigma(1.0, DELTA, 0.01, 1000, R, cap)
+    other = load_module(against) if against else None
+    if other is not None:
+        other.approximate_sigma(1.0, DELTA, 0.01, 1000)
     print(f"\napproximate_sigma, delta = {DELTA}, epsilon {GRID_EPSILONS}, steps {GRID_STEPS}, both relations; "
           "caches cleared before each call")
     if cells:
         print(f"{'relation':<11} {'q':>7} {'steps':>9}" + "".join(f"{f'eps={e:g}':>15}" for e in GRID_EPSILONS))
     summary = []
     for q in qs:
-        worst = {"after": (0.0, 0.0, ""), "before": (0.0, 0.0, "")}
+        worst = {"after": (0.0, 0.0, ""), "before": (0.0, 0.0, ""), "against": (0.0, 0.0, ""), "after_cpu": (0.0, 0.0, "")}
         refused = 0
         for relation in (R, S):
             for steps in GRID_STEPS:
@@ -207,7 +223,15 @@ def sigma_grid(qs=GRID_QS, before=False, cap=30.0, cells=False):
                     where = f"{relation.value} T={steps:g} eps={target:g}"
                     if wall > worst["after"][0]:
                         worst["after"] = (wall, cpu, where)
+                    if cpu > worst["after_cpu"][1]:
+                        worst["after_cpu"] = (wall, cpu, where)
                     row_cells.append(f"{1e3 * wall:8.1f} {note:<6}")
+                    if other is not None:
+                        wall_a, cpu_a, note_a = _time_cell(
+                            lambda: other.approximate_sigma(target, DELTA, q, steps, relation.value), other)
+                        if cpu_a > worst["against"][1]:
+                            worst["against"] = (wall_a, cpu_a, where)
+                        row_cells[-1] += f" | {1e3 * wall_a:6.1f} {note_a:<5}"
                     if before:
                         wall_b, cpu_b, note_b = _time_cell(
                             lambda: legacy_approximate_sigma(target, DELTA, q, steps, relation, cap))
@@ -221,6 +245,10 @@ def sigma_grid(qs=GRID_QS, before=False, cap=30.0, cells=False):
         if before:
             line += f" | before {1e3 * wb:8.1f} ms wall {1e3 * cb:8.1f} ms CPU ({whereb}) | ratio {wb / w:6.1f}x"
         print(line + (f"; {refused} cells refused (no noise needed: q T <= delta)" if refused else ""), flush=True)
+        if other is not None:
+            (w, c, where), (wa, ca, wherea) = worst["after_cpu"], worst["against"]
+            print(f"q={q:<7g} worst by CPU: this {1e3 * c:8.1f} ms CPU {1e3 * w:8.1f} ms wall ({where}) | against "
+                  f"{1e3 * ca:8.1f} ms CPU {1e3 * wa:8.1f} ms wall ({wherea})", flush=True)
     worst_wall = max(w["after"][0] for _, w, _ in summary)
     print(f"worst over the grid: {1e3 * worst_wall:.1f} ms")
     return worst_wall
@@ -269,7 +297,8 @@ if __name__ == "__main__":
     parser.add_argument("--before", action="store_true", help="time the previous implementation side by side")
     parser.add_argument("--before-cap", type=float, default=30.0, help="seconds per cell for --before (default 30)")
     parser.add_argument("--cells", action="store_true", help="print every cell of the grid")
+    parser.add_argument("--against", metavar="FILE", help="a copy of fourier.py to time on each cell as well")
     args = parser.parse_args()
     if not args.grid:
         main()
-    sigma_grid(tuple(float(q) for q in args.q.split(",")), args.before, args.before_cap, args.cells)
+    sigma_grid(tuple(float(q) for q in args.q.split(",")), args.before, args.before_cap, args.cells, args.against)

@@ -401,6 +401,59 @@ def test_split_pld_dominates_and_keeps_mass(fresh_caches):
     assert q_mass == pytest.approx(1.0, abs=1e-6)
 
 
+# Large split blocks (fourier._split_scales): all steps in one block where q T <= _SPLIT_BLOCK_QT, else
+# blocks of about _SPLIT_BLOCK_QT / q steps, so that few coarsenings onto the tails' grid are needed.
+
+LARGE_BLOCK_CELLS = [(S, 0.6, 1e-4, 1000), (R, 0.5, 1e-5, 10_000), (S, 0.55, 1e-5, 100_000)]
+
+
+@pytest.mark.parametrize("relation, sigma, q, num_steps", LARGE_BLOCK_CELLS)
+def test_large_split_blocks_agree_with_small_ones(relation, sigma, q, num_steps, monkeypatch, fresh_caches):
+    # Two pessimistic layouts of the same split discretisation: blocks of ~0.15 / q (or all) steps, and
+    # blocks of ~sqrt(T) steps as before.
+    plan = fourier._cached_plan(relation, sigma, q, num_steps, DELTA)
+    pld = fourier._make_pld(relation, sigma, q, fourier._initial_dx(plan), plan)
+    assert isinstance(pld, fourier._SplitPLD) and pld.block >= min(num_steps, 0.1 / q) > math.sqrt(num_steps)
+    large = epsilon(sigma, q, num_steps, DELTA, relation)
+    fourier._clear_caches()
+    monkeypatch.setattr(fourier, "_SPLIT_BLOCK_QT", 0.0)
+    assert fourier._split_scales(num_steps, q)[0] <= 2 * math.sqrt(num_steps)
+    assert large == pytest.approx(epsilon(sigma, q, num_steps, DELTA, relation), rel=2e-4)
+
+
+def rounded_down_cells(relation, sigma, q, dx, points):
+    """One step's cells (as fourier._one_step_cells) with every loss rounded down to its cell's lower end
+    and the loss outside the window dropped: each composed loss is at most the true one, so the epsilons
+    are lower bounds (up to the mass that the circle may wrap, counted pessimistically, ~1e-4 delta)."""
+    t = fourier._inverse_loss(relation, sigma, q, points * dx)
+    c0, c1 = fourier._gaussian_cells(0.0, sigma, t)[0], fourier._gaussian_cells(1.0, sigma, t)[0]
+    pmf = np.zeros(points.size)
+    pmf[:-1] = (1.0 - q) * c0 + q * c1
+    return pmf, 0.0
+
+
+@pytest.mark.parametrize(
+    "relation, sigma, q, num_steps, shift, gap",
+    [(S, 0.6, 1e-4, 1000, 4, 0.02), (R, 0.8, 1e-5, 2000, 4, 0.05), (S, 0.55, 1e-5, 100_000, 3, 0.5)],
+)
+def test_large_split_blocks_are_pessimistic(relation, sigma, q, num_steps, shift, gap, monkeypatch, fresh_caches):
+    # Every grid of the refinement (large blocks) gives at least a lower bound: the losses rounded down on a
+    # grid 2^shift times finer than the initial one (its bulk refined too); within `gap` of it when refined.
+    # The same grids with the losses rounded down (an optimistic discretisation) fail that check.
+    plan = fourier._cached_plan(relation, sigma, q, num_steps, DELTA)
+    dx = fourier._initial_dx(plan)
+    level = lambda step: fourier._epsilon_level.__wrapped__(relation, sigma, q, (num_steps,), DELTA, step)[0]
+    shifts = (-2, 0, 1)
+    ours = [level(dx / 2.0**s) for s in shifts]
+    refined = epsilon(sigma, q, num_steps, DELTA, relation)
+    monkeypatch.setattr(fourier, "_one_step_cells", rounded_down_cells)
+    optimistic = [level(dx / 2.0**s) for s in shifts]
+    monkeypatch.setattr(fourier, "_SPLIT_FINE_LEVELS", 8)
+    lower = level(dx / 2.0**shift)
+    assert all(lower <= eps for eps in ours + [refined]) and refined <= lower * (1.0 + gap)
+    assert all(eps < lower for eps in optimistic)
+
+
 SMALL_Q_CELLS = [(R, 1.0, 1e-4, 10_000), (S, 8.0, 1e-5, 1_000_000), (R, 0.1, 1e-5, 100), (S, 1.0, 1e-3, 1000)]
 
 
@@ -460,6 +513,32 @@ def test_search_starts_on_coarse_grids(relation, target, q, num_steps, monkeypat
     result = approximate_sigma(target, DELTA, q, num_steps, relation)
     assert steps_used[0] == -fourier._SEARCH_COARSER and max(steps_used) <= 0
     assert result.num_evaluations <= 6
+    fourier._clear_caches()
+    monkeypatch.undo()
+    check_sigma(result, target, relation, q, num_steps, 1e-3)
+
+
+@pytest.mark.parametrize(
+    "relation, target, q, num_steps", [(S, 0.01, 1e-5, 1000), (R, 0.1, 1e-5, 1_000_000), (S, 100.0, 1e-3, 1_000_000)]
+)
+def test_search_certifies_its_result_on_its_grid(relation, target, q, num_steps, monkeypatch, fresh_caches):
+    # The bracket is found on cheaper grids (their epsilons corrected by the difference measured at a
+    # certified point); the returned epsilon is the value of the search's grid at the returned sigma, an
+    # upper bound, and that grid is evaluated only at a few sigmas.
+    calls = []
+    original = fourier._epsilon_level.__wrapped__
+
+    def level(relation, sigma, q, steps, target_delta, dx):
+        plan = fourier._cached_plan(relation, sigma, q, max(steps), target_delta)
+        value = original(relation, sigma, q, steps, target_delta, dx)
+        calls.append((sigma, math.log2(fourier._initial_dx(plan) / dx), value[0]))
+        return value
+
+    monkeypatch.setattr(fourier, "_epsilon_level", functools.lru_cache(maxsize=256)(level))
+    result = approximate_sigma(target, DELTA, q, num_steps, relation)
+    (shift,) = {s for sigma, s, eps in calls if sigma == result.sigma and eps == result.epsilon}
+    assert len({sigma for sigma, s, _ in calls if s == shift}) <= 3
+    assert len({sigma for sigma, _, _ in calls}) == result.num_evaluations
     fourier._clear_caches()
     monkeypatch.undo()
     check_sigma(result, target, relation, q, num_steps, 1e-3)
