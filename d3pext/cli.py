@@ -262,16 +262,21 @@ def _run_demo(
     def accuracy(params) -> float:
         return float(np.mean((x_test @ np.asarray(params["w_loc"]) > 0) == (data.y_test == 1)))
 
+    # Keys made on the host (numpy's SeedSequence, then wrapped): eager jax.random calls each compile a
+    # small program in every new process, a tenth of a warm demo's time.
+    def host_key(seq) -> jax.Array:
+        return jax.random.wrap_key_data(seq.generate_state(2, np.uint32), impl="threefry2x32")
+
     if seed is None:
-        dp_key = None  # DPSVI draws its key from OS entropy
-        plain_key = jax.random.key(np.random.SeedSequence().entropy % 2**32)
+        dp_keys = [None] * repeats  # DPSVI draws its keys from OS entropy
+        plain_key = host_key(np.random.SeedSequence())
     else:
-        dp_key, plain_key = jax.random.split(jax.random.key(seed))
+        plain_seq, *dp_seqs = np.random.SeedSequence(seed).spawn(repeats + 1)
+        dp_keys, plain_key = [host_key(seq) for seq in dp_seqs], host_key(plain_seq)
     optim = numpyro.optim.Adam(learning_rate)
     start = time.perf_counter()
     dpsvi = DPSVI(logistic_regression, logistic_guide, optim, Trace_ELBO(), clipping_threshold=clip,
                   epsilon=epsilon, delta=delta, num_steps=steps)  # fmt: skip
-    dp_keys = [None] * repeats if dp_key is None else list(jax.random.split(dp_key, repeats))
     runs = [
         dpsvi.run(key, steps, x_train, y_train, batch_size=batch_size, progress_bar=progress_bar and i == 0)
         for i, key in enumerate(dp_keys)
