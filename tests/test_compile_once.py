@@ -76,6 +76,39 @@ def test_update_and_init_compile_once():
     assert compiled == [], f"{len(compiled)} program(s) compiled again"
 
 
+def test_objects_that_differ_in_sigma_or_plan_compile_the_same_programs():
+    # sigma C and the plan are arguments of the compiled step and loop, not constants: a sweep over
+    # epsilons compiles programs that the persistent compilation cache finds (the CLI, the notebooks)
+    def lowered(epsilon, num_steps):
+        svi = DPSVI(model, guide, numpyro.optim.Adam(0.05), Trace_ELBO(), clipping_threshold=2.0, epsilon=epsilon,
+                    num_steps=num_steps)
+        state = svi.init(jax.random.key(0), X, batch_size=50)
+        settings = svi._settings()
+        step = svi._jitted_step((("batch_size", 50),), False).lower(state, (X,), {}, None, settings)
+        chunk = svi._jitted_chunk((("batch_size", 50),), False).lower(state, (X,), {}, None, settings, np.int32(1))
+        return svi.dp_scale, step.as_text(), chunk.as_text()
+
+    sigma_1, *programs_1 = lowered(1.0, 100)
+    sigma_2, *programs_2 = lowered(4.0, 300)
+    assert sigma_1 > 1.5 * sigma_2  # the calibrated sigmas differ ...
+    assert programs_1 == programs_2  # ... the programs do not
+
+
+def test_a_longer_plan_compiles_nothing():
+    svi = DPSVI(model, guide, numpyro.optim.Adam(0.05), Trace_ELBO(), clipping_threshold=2.0, epsilon=1.0, num_steps=2)
+    state = svi.init(jax.random.key(0), X, batch_size=50)
+    for _ in range(2):
+        state, _ = svi.update(state, X, batch_size=50)
+    svi.run(None, 1, X, batch_size=50, init_state=svi.init(jax.random.key(1), X, batch_size=50), progress_bar=False)
+    svi.extend_plan(4)
+    with compilations() as compiled:
+        state, loss = svi.update(state, X, batch_size=50)
+        result = svi.run(None, 1, X, batch_size=50, init_state=state, progress_bar=False)
+        jax.block_until_ready((loss, result.params))
+    assert compiled == [], f"{len(compiled)} program(s) compiled again"
+    assert int(state.num_steps) == 3 and int(result.state.num_steps) == 4  # the new plan holds in both
+
+
 def test_planned_updates_do_not_wait_for_the_device(monkeypatch):
     # the plan check of update reads the step count from the host's record of the states that
     # update returned, not from the device (reading an array waits for the step that computes it)

@@ -756,7 +756,7 @@ class DPSVI(SVI):
             structure = self._find_structure(model_trace, guide_trace, args)
         sampler = self._make_sampler(structure, args)
         if (structure, sampler) != (self.structure, self.sampler):
-            self._steps.clear()  # compiled steps hold the structure, the sampler and sigma
+            self._steps.clear()  # compiled steps hold the structure and the sampler (sigma is an argument)
             self._chunks.clear()
             self._isolation_checks.clear()
             self.structure, self.sampler = structure, sampler
@@ -853,9 +853,12 @@ class DPSVI(SVI):
         state, init_key = executable(*inputs)
         return state, init_key, traces
 
-    def _private_grad(self, params, rng_key, args, kwargs, stable: bool, batch_mask=None):
+    def _private_grad(self, params, rng_key, args, kwargs, stable: bool, batch_mask=None, noise_std=None):
         """Noisy, clipped and rescaled gradient of the negative ELBO, the (non-private) loss estimate
-        and the number of sampled records dropped for a non-finite loss or gradient."""
+        and the number of sampled records dropped for a non-finite loss or gradient.
+
+        ``noise_std`` is sigma C (default: this object's), an argument of the compiled step (see
+        :meth:`_settings`)."""
         structure = self.structure
         # one key, or the three keys already split off by the caller (_step)
         batch_key, elbo_key, noise_key = random.split(rng_key, 3) if jnp.ndim(rng_key) == 0 else rng_key
@@ -892,7 +895,9 @@ class DPSVI(SVI):
         mask = kept
         leaves, treedef = jax.tree.flatten(clipped)
         scale = 1.0 / self.sampler.q  # N / B for fixed-size batches, 1 / q for Poisson ones
-        noisy = [(g + self.dp_scale * c * z) * scale for g, z in zip(leaves, _standard_normals(noise_key, leaves))]
+        if noise_std is None:
+            noise_std = self.dp_scale * c
+        noisy = [(g + noise_std * z) * scale for g, z in zip(leaves, _standard_normals(noise_key, leaves))]
         global_loss, global_grads = jax.value_and_grad(self._global_loss)(params, elbo_key, args, kwargs, indices[0] if structure.plate_mode else 0)
         grads = jax.tree.map(jnp.add, jax.tree.unflatten(treedef, noisy), global_grads)
         loss = scale * jnp.sum(jnp.where(mask, losses, 0.0)) + global_loss
@@ -902,11 +907,19 @@ class DPSVI(SVI):
         """How the clipped sum is computed (decided at trace time from static shapes)."""
         return choose_clipping(self.clipping, self.structure.batch_size, params)
 
-    def _step(self, state: DPSVIState, args, dyn_kwargs, batch_mask, static_kwargs, stable: bool):
+    def _settings(self) -> tuple:
+        """What the compiled step takes as arguments rather than constants: the noise's standard deviation
+        sigma C and the planned number of steps, as Python scalars (weakly typed: the noise keeps the
+        parameters' dtype). Objects that differ only in these, such as a sweep over epsilons, then compile
+        the same programs, which the persistent compilation cache finds."""
+        return self.dp_scale * self.clipping_threshold, self.planned_steps
+
+    def _step(self, state: DPSVIState, args, dyn_kwargs, batch_mask, settings, static_kwargs, stable: bool):
         kwargs = {**dyn_kwargs, **dict(static_kwargs)}
+        noise_std, planned_steps = settings
         keys = random.split(state.rng_key, 4)  # one split: each split compiles its own copy of the hash
         params = self.optim.get_params(state.optim_state)
-        loss, grads, dropped = self._private_grad(params, keys[1:], args, kwargs, stable, batch_mask)
+        loss, grads, dropped = self._private_grad(params, keys[1:], args, kwargs, stable, batch_mask, noise_std)
         rng_key = keys[0]
         # optax transformations may ask for the loss value (``update_with_value``); the loss is not private,
         # so they get NaN: value-driven schedules (line searches, reduce-on-plateau) cannot be used with DPSVI.
@@ -916,10 +929,10 @@ class DPSVI(SVI):
             ok = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
             new_optim_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_optim_state, state.optim_state)
         num_steps = state.num_steps + 1
-        if self.planned_steps is not None:
+        if planned_steps is not None:
             # Under a caller's own jit the host-side refusal cannot run: a step past the plan then
             # changes nothing and is not counted (its noisy gradient is discarded unused).
-            within = state.num_steps < self.planned_steps
+            within = state.num_steps < planned_steps
             new_optim_state = jax.tree.map(lambda new, old: jnp.where(within, new, old), new_optim_state, state.optim_state)
             num_steps = jnp.where(within, num_steps, state.num_steps)
             dropped = jnp.where(within, dropped, 0)
@@ -982,9 +995,7 @@ class DPSVI(SVI):
         self._check_ready()
         if int(num_steps) != num_steps or self.planned_steps is not None and num_steps < self.planned_steps:
             raise ValueError(f"the new plan must be an integer >= the current one ({self.planned_steps}), got {num_steps}")
-        self.planned_steps = int(num_steps)
-        self._steps.clear()
-        self._chunks.clear()
+        self.planned_steps = int(num_steps)  # an argument of the compiled steps: nothing compiles again
         return self.privacy_spent(self.planned_steps)
 
     def update(self, svi_state: DPSVIState, *args, **kwargs):
@@ -997,7 +1008,7 @@ class DPSVI(SVI):
         self._check_placement(args, kwargs)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
-        return self._counted(svi_state, self._jitted_step(static, False)(svi_state, args, dyn, mask))
+        return self._counted(svi_state, self._jitted_step(static, False)(svi_state, args, dyn, mask, self._settings()))
 
     def stable_update(self, svi_state: DPSVIState, *args, **kwargs):
         """Like :meth:`update`, but robust to numerical failures without breaking privacy.
@@ -1011,7 +1022,7 @@ class DPSVI(SVI):
         self._check_placement(args, kwargs)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
-        return self._counted(svi_state, self._jitted_step(static, True)(svi_state, args, dyn, mask))
+        return self._counted(svi_state, self._jitted_step(static, True)(svi_state, args, dyn, mask, self._settings()))
 
     def _counted(self, old: DPSVIState, out: tuple) -> tuple:
         """Remember the step count of a state returned by update, so that the plan check of the next
@@ -1058,6 +1069,7 @@ class DPSVI(SVI):
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
         chunk = self._jitted_chunk(static, stable_update)
+        settings = self._settings()
 
         num_chunks = min(num_steps, 50) if progress_bar else 1
         bounds = np.linspace(0, num_steps, num_chunks + 1).round().astype(int)
@@ -1075,7 +1087,7 @@ class DPSVI(SVI):
                 segment = []
                 for start in range(0, length, CHUNK_STEPS):
                     count = min(CHUNK_STEPS, length - start)
-                    state, chunk_losses = chunk(state, args, dyn, mask, np.int32(count))
+                    state, chunk_losses = chunk(state, args, dyn, mask, settings, np.int32(count))
                     segment.append((chunk_losses, count))
                 # on the host: slicing on the device would compile a program per new count
                 segment = [np.asarray(chunk_losses)[:count] for chunk_losses, count in segment]
@@ -1111,12 +1123,12 @@ class DPSVI(SVI):
             # function would be traced twice, a fifth of a warm demo's time)
             step = self._jitted_step(static_kwargs, stable)
 
-            def chunk(state, args, dyn, mask, count):
-                loss_shape = jax.eval_shape(step, state, args, dyn, mask)[1]
+            def chunk(state, args, dyn, mask, settings, count):
+                loss_shape = jax.eval_shape(step, state, args, dyn, mask, settings)[1]
 
                 def body(i, carry):
                     state, losses = carry
-                    state, loss = step(state, args, dyn, mask)
+                    state, loss = step(state, args, dyn, mask, settings)
                     return state, losses.at[i].set(loss)
 
                 losses = jnp.full((CHUNK_STEPS,), jnp.nan, loss_shape.dtype)
