@@ -21,12 +21,14 @@ directory already configured through JAX itself (``JAX_COMPILATION_CACHE_DIR`` o
 explicitly or set by ``D3PEXT_CACHE_DIR``.
 
 A program is found again only if the next process builds exactly the same program. DPSVI's are (a
-test checks this for the demo's), and they take sigma and the planned number of steps as arguments
-rather than constants, so ``DPSVI.run``/``update`` at another epsilon, sigma or number of steps finds
-the programs of an earlier fit of the same model and data shapes (not where ``update`` is traced
-inside your own ``jax.jit``: there they are constants of your program). NumPyro's ``Trace_ELBO`` is not: it sums its per-site terms in the
-order of a Python set of site names, which changes with each process's string hashing, so a plain
-``SVI`` with it often misses the cache. Run such scripts with a fixed ``PYTHONHASHSEED`` (e.g.
+test checks this for the demo's). They take sigma and the planned number of steps as arguments, not
+constants, so ``DPSVI.run`` and ``update`` at another epsilon, sigma or number of steps find the
+programs of an earlier fit of the same model and data shapes (except where ``update`` is traced
+inside your own ``jax.jit``: there these values are constants of your program).
+
+NumPyro's ``Trace_ELBO`` is not deterministic in this sense: it sums its per-site terms in the order
+of a Python set of site names, which changes with each process's string hashing, so a plain ``SVI``
+with it often misses the cache. Run such scripts with a fixed ``PYTHONHASHSEED`` (e.g.
 ``PYTHONHASHSEED=0 python fit.py``), or use ``TraceMeanField_ELBO`` where its closed-form KL applies
 (the demo's non-private fit does).
 

@@ -99,6 +99,7 @@ def test_a_longer_plan_compiles_nothing():
     state = svi.init(jax.random.key(0), X, batch_size=50)
     for _ in range(2):
         state, _ = svi.update(state, X, batch_size=50)
+    # compile run's loop too (from a fresh state: this one has used up the plan)
     svi.run(None, 1, X, batch_size=50, init_state=svi.init(jax.random.key(1), X, batch_size=50), progress_bar=False)
     svi.extend_plan(4)
     with compilations() as compiled:
