@@ -334,7 +334,7 @@ class _LossMGF:
     def tail_bound(self, sign: float, num_steps: int, log_tail: float) -> float:
         """w with P(sign * (sum of num_steps losses) > w) <= exp(log_tail) (Chernoff)."""
         bound = lambda lam: (num_steps * self.log_mgf(sign, lam) - log_tail) / lam
-        lams = np.geomspace(1e-4, self.lam_max, 16)
+        lams = 1e-4 * (self.lam_max / 1e-4) ** (np.arange(16.0) / 15.0)
         values = bound(lams)
         best = int(np.argmin(values))
         best_lam, best_value = float(lams[best]), float(values[best])
@@ -486,6 +486,11 @@ def _chernoff_windows(unit: _Lattice, units: int, log_tail: float) -> tuple[floa
     return _point_chernoff((small.lo + support) * small.h, small.pmf[support], units, log_tail, small.h)
 
 
+_LAM_SWEEP = 2.0 ** np.arange(-6.0, 7.0)  # _point_chernoff's coarse sweep, relative to the Gaussian lam
+_LAM_SWEEP_WIDE = 10.0 ** np.linspace(-2.0, 3.0, 11)
+_LAM_FINE = np.arange(1.0, 7.0) / 7.0  # its fine sweep: 6 lams between two of the coarse ones
+
+
 def _point_chernoff(
     x: np.ndarray, p: np.ndarray, units: int, log_tail: float, std_floor: float = 1e-12, wide: bool = False
 ) -> tuple[float, float, float]:
@@ -495,9 +500,9 @@ def _point_chernoff(
     mean = float(np.sum(p * x) / np.sum(p))
     std = max(math.sqrt(float(np.sum(p * (x - mean) ** 2) / np.sum(p))), std_floor)
     base = math.sqrt(2.0 * abs(log_tail) / units) / std
-    lams = base * np.geomspace(1.0 / 64.0, 64.0, 13)
+    lams = base * _LAM_SWEEP
     if wide:  # heavy tails: the best lam may be far below the Gaussian one
-        lams = np.unique(np.concatenate([lams, np.geomspace(1e-2, 1e3, 11)]))
+        lams = np.unique(np.concatenate([lams, _LAM_SWEEP_WIDE]))
     log_p = np.log(p)
 
     def windows(sign: float, lam: np.ndarray) -> np.ndarray:
@@ -510,11 +515,24 @@ def _point_chernoff(
         coarse = windows(sign, lams)
         i = int(np.argmin(coarse))
         low, high = lams[max(i - 1, 0)], lams[min(i + 1, lams.size - 1)]
-        fine_lams = np.geomspace(low, high, 8)[1:-1]
+        fine_lams = low * (high / low) ** _LAM_FINE  # (np.geomspace costs more than the windows here)
         fine = windows(sign, fine_lams)
         j = int(np.argmin(fine))
         best.append((float(fine[j]), float(fine_lams[j])) if fine[j] < coarse[i] else (float(coarse[i]), float(lams[i])))
     return best[0][0], best[0][1], best[1][0]
+
+
+def _power(spectrum: np.ndarray, n: int) -> np.ndarray:
+    """``spectrum ** n`` by repeated squaring: a few complex products, much faster than ``exp(n log F)``
+    (a complex log costs as much as hundreds of products) or NumPy's complex integer powers."""
+    result, base = None, spectrum
+    while n:
+        if n & 1:
+            result = base if result is None else result * base
+        n >>= 1
+        if n:
+            base = base * base
+    return np.ones_like(spectrum) if result is None else result
 
 
 class _Composer:
@@ -541,20 +559,18 @@ class _Composer:
         self.n_pos = self.nx - self.n_neg
         self.h, self.unit_hi = h, unit.hi
         self.spectrum = self.transform(unit)
-        # Powers as exp(T log F) are much faster than complex integer powers, and as accurate.
-        self.log_spectrum = np.log(np.where(self.spectrum == 0.0, 1e-300, self.spectrum))
 
     def transform(self, lattice: _Lattice) -> np.ndarray:
         return scipy.fft.rfft(lattice.folded(1 - self.n_neg).in_fft_order(self.nx), workers=-1)
 
     def composed(self, units: int, spectrum: np.ndarray | None = None) -> np.ndarray:
         """``units`` compositions (times the transform ``spectrum``), FFT order."""
-        power = np.exp(units * self.log_spectrum)
+        power = _power(self.spectrum, units)
         return scipy.fft.irfft(power if spectrum is None else power * spectrum, n=self.nx, workers=-1)
 
     def composed_run(self, first: int, count: int) -> list[np.ndarray]:
         """``first``, ..., ``first + count - 1`` compositions, FFT order: one power, then products."""
-        power, out = np.exp(first * self.log_spectrum), []
+        power, out = _power(self.spectrum, first), []
         for j in range(count):
             out.append(scipy.fft.irfft(power, n=self.nx, workers=-1))
             if j + 1 < count:

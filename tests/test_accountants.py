@@ -621,6 +621,27 @@ def test_loss_mgf_tail_bound_is_near_the_best_lam(relation, sigma, q):
             assert best - 1e-4 * abs(best) <= bound <= best + 0.02 * abs(best) + 1e-12
 
 
+def test_spectrum_powers_by_squaring():
+    # _Composer's powers of a PLD's spectrum (repeated squaring) against exp(n log F), the former way,
+    # including zeros and the powers 0 and 1; and a composition through them against direct convolution.
+    rng = np.random.default_rng(0)
+    pmf = rng.random(64)
+    pmf /= pmf.sum()
+    spectrum = np.fft.rfft(np.concatenate([pmf, np.zeros(960)]))
+    spectrum[-3:] = 0.0
+    for n in (0, 1, 2, 7, 64, 1000, 15625):
+        expected = np.exp(n * np.log(np.where(spectrum == 0.0, 1e-300, spectrum)))
+        np.testing.assert_allclose(fourier._power(spectrum, n), expected, rtol=1e-11, atol=1e-300)
+    composer = fourier._Composer(fourier._Lattice(pmf, 0, 0.01), 10, math.log(1e-12))
+    composed = np.ones(1)
+    for _ in range(10):
+        composed = np.convolve(composed, pmf)
+    values = fourier._Lattice.from_fft_order(composer.composed(10), composer.n_neg, 0.01)
+    shown = min(composed.size, values.hi + 1)  # (the window ends where the upper tail is below 1e-12)
+    np.testing.assert_allclose(values.pmf[-values.lo : -values.lo + shown], composed[:shown], atol=1e-15)
+    assert composed[shown:].sum() <= 1e-12
+
+
 # ---------------------------------------------------------------------------------------------
 # Failure detection.
 
