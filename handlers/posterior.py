@@ -358,4 +358,6 @@ def sample_releases(
         model, names, {k: v[0] for k, v in zip(names, values)}, method, sections, model_args,
         model_kwargs, num_warmup, num_samples, devices,
     )
-    return sampler(random.split(rng_key, (num_sets, num_chains)), *values)
+    # waits for the draws: on a GPU an error raised by a host callback in the sampler (an exhausted
+    # rejection loop) would otherwise surface only when they are first read, not from this call
+    return jax.block_until_ready(sampler(random.split(rng_key, (num_sets, num_chains)), *values))

@@ -81,9 +81,11 @@ def linear_regression_statistic(records: jax.Array, bound: float = CLAMP) -> jax
     z = jnp.clip(records, -bound, bound) / bound
     x = jnp.concatenate([jnp.ones_like(z[..., :1]), z[..., : q - 1]], -1)
     y = z[..., q - 1]
-    xy = jnp.einsum("...ij,...i->...j", x, y) / n
+    # full float32 products: a GPU's default precision (TF32) would round the released sums to ~1e-4
+    full = lax.Precision.HIGHEST
+    xy = jnp.einsum("...ij,...i->...j", x, y, precision=full) / n
     yy = jnp.sum(y * y, -1, keepdims=True) / n
-    xx = jnp.einsum("...ij,...ik->...jk", x, x) / n
+    xx = jnp.einsum("...ij,...ik->...jk", x, x, precision=full) / n
     rows, cols = np.triu_indices(q)
     keep = ~((rows == 0) & (cols == 0))
     return jnp.concatenate([xy, yy, xx[..., rows[keep], cols[keep]]], -1)

@@ -226,7 +226,7 @@ def sized_model(size, subsample_size):
     "model, data, message",
     [
         (sized_model(N, 0), X, "subsample_size=0 must be between 1 and the plate's size 200"),
-        (sized_model(N, N + 10), X, "does not match the data plate"),
+        (sized_model(N, N + 10), X, "subsample_size=210 must be between 1 and the plate's size 200"),
         (sized_model(5, None), X[:7], r"plate\(data, 5, dim=-1\) invalid shape"),
     ],
     ids=["subsample-0", "subsample-above-N", "plate-5-data-7"],

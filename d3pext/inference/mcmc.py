@@ -114,5 +114,8 @@ class CachedMCMC(MCMC):
             sample_fn, postprocess_fn, tuple(collect_fields), tuple(remove_sites),
             lower, upper, self.thinning, size, init_val,
         )
+        # wait here: on a GPU an error raised by a host callback in the sampler (an exhausted rejection
+        # loop) would otherwise surface only when the draws are first read, not from run
+        jax.block_until_ready((collection, last_val))
         states = (collection,) if len(collect_fields) == 1 else tuple(collection)
         return dict(zip(collect_fields, states)), last_val[0]

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -107,6 +108,13 @@ def clip_weights(
     return jnp.where(mask, c / jnp.maximum(jnp.where(mask, norms, c), c), 0.0), mask
 
 
+def _weighted_sum(weights: jax.Array, per_record: jax.Array) -> jax.Array:
+    """``sum_i w_i g_i`` over the leading axis, at full float32 precision: on a GPU the default
+    precision (TF32) rounds ``w_i`` and ``g_i`` first, and a clipped record's share of the sum could then
+    exceed C by about 1e-3 of it."""
+    return jnp.tensordot(weights, per_record, axes=1, precision=lax.Precision.HIGHEST)
+
+
 def _select(mask: jax.Array, tree: Any) -> Any:
     return jax.tree.map(lambda g: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (g.ndim - 1)), g, 0.0), tree)
 
@@ -122,7 +130,7 @@ def materialized_clipped_sum(
         mask = mask & jnp.all(jnp.stack(finite), axis=0) & jnp.isfinite(losses)
     grads = _select(mask, grads)
     weights = jnp.where(mask, threshold / jnp.maximum(tree_norms(grads), threshold), 0.0)
-    return jax.tree.map(lambda g: jnp.tensordot(weights, g, axes=1), grads), losses, mask
+    return jax.tree.map(lambda g: _weighted_sum(weights, g), grads), losses, mask
 
 
 def ghost_clipped_sum(
@@ -148,22 +156,26 @@ def reweighted_clipped_sum(
     pass, so that their weight of exactly 0 multiplies a finite gradient (a padding slot's or a
     non-finite record's NaN never reaches the sum).
     """
-    losses, norms = per_record(value_and_grad_norm(record_loss), params, records, args)
-    weights, mask = clip_weights(norms, losses, mask, threshold, drop_nonfinite)
-    first = jnp.argmax(mask)
+    # Both passes at full float32 precision: a record's weight comes from its norm in the first pass
+    # and multiplies its gradient in the second, and on a GPU the default precision (TF32) rounds the
+    # two differently, by up to about 1e-3, which would let its share of the sum exceed C.
+    with jax.default_matmul_precision("highest"):
+        losses, norms = per_record(value_and_grad_norm(record_loss), params, records, args)
+        weights, mask = clip_weights(norms, losses, mask, threshold, drop_nonfinite)
+        first = jnp.argmax(mask)
 
-    def substitute(tree):
-        return jax.tree.map(
-            lambda v: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (v.ndim - 1)), v, v[first]), tree
-        )
+        def substitute(tree):
+            return jax.tree.map(
+                lambda v: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (v.ndim - 1)), v, v[first]), tree
+            )
 
-    if plate_mode:
-        records = substitute(records)
-    else:
-        records, args = substitute(records), substitute(args)
-    grads = jax.grad(lambda p: jnp.sum(weights * per_record(record_loss, p, records, args)))(params)
-    grads = jax.tree.map(lambda g: jnp.where(jnp.any(mask), g, 0.0), grads)
-    return grads, losses, mask
+        if plate_mode:
+            records = substitute(records)
+        else:
+            records, args = substitute(records), substitute(args)
+        grads = jax.grad(lambda p: jnp.sum(weights * per_record(record_loss, p, records, args)))(params)
+        grads = jax.tree.map(lambda g: jnp.where(jnp.any(mask), g, 0.0), grads)
+        return grads, losses, mask
 
 
 CLIPPED_SUMS: dict[str, Callable] = {

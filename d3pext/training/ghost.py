@@ -229,11 +229,15 @@ class PerRecordGradients:
             lambda x: jnp.where(jnp.reshape(mask, (-1,) + (1,) * (x.ndim - 1)), x, 0.0))
         layout = self._layout
         out = [None] * (len(layout["ghost"]) + len(layout["direct"]))
+        # Sums at full float32 precision, like the norms: each record then adds w_i times the gradient
+        # its norm was computed from (on a GPU the default precision rounds both factors to TF32 first,
+        # and a record's share of the sum could exceed C by about 1e-3 of it).
+        full = lax.Precision.HIGHEST
         for k, g in zip(layout["direct"], g_direct):
-            out[k] = jnp.tensordot(weights, keep(g), 1)
+            out[k] = jnp.tensordot(weights, keep(g), 1, precision=full)
         for k, (a, g), (shape, inverse) in zip(layout["ghost"], rows, layout["weights"]):
             a, g = keep(a), keep(g) * weights[:, None, None]
-            total = jnp.einsum("bpi,bpo->io", a, g)
+            total = jnp.einsum("bpi,bpo->io", a, g, precision=full)
             out[k] = jnp.transpose(total.reshape(shape), inverse)
         return jax.tree.unflatten(layout["treedef"], out)
 

@@ -146,17 +146,23 @@ class _FirstIndices(Messenger):
             msg["value"] = jnp.arange(msg["args"][1])
 
 
+def _check_plate_sizes(site: dict) -> None:
+    """A plate's subsample size must lie in [1, size] (whether the JAX at hand fails on it elsewhere
+    first depends on its version)."""
+    size, subsample_size = site["args"]
+    if subsample_size is not None and not 1 <= subsample_size <= size:
+        raise ValueError(
+            f"plate {site['name']!r}: subsample_size={subsample_size} must be between 1 and the plate's size {size}"
+        )
+
+
 class _PlateCheck(Messenger):
     """Raises a clear error for a plate whose sizes cannot be right or an observed site whose
     records do not match its plate (run only to explain why the model failed to initialise)."""
 
     def process_message(self, msg):
         if msg["type"] == "plate":
-            size, subsample_size = msg["args"]
-            if subsample_size is not None and not 1 <= subsample_size <= size:
-                raise ValueError(
-                    f"plate {msg['name']!r}: subsample_size={subsample_size} must be between 1 and the plate's size {size}"
-                )
+            _check_plate_sizes(msg)
         elif msg["type"] == "sample" and msg["is_observed"]:
             shape = jnp.shape(msg["value"])
             event_dim = len(getattr(msg["fn"], "event_shape", ()))
@@ -407,6 +413,8 @@ class DPSVI(SVI):
 
     def _find_structure(self, model_trace, guide_trace, args) -> _Structure:
         plates = {s["name"]: s for s in model_trace.values() if s["type"] == "plate"}
+        for site in plates.values():
+            _check_plate_sizes(site)
         for name, site in model_trace.items():
             if site["type"] == "mutable":
                 raise ValueError(
