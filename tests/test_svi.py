@@ -384,21 +384,21 @@ def test_ghost_norms_and_sum_of_a_vae_record_loss():
     materialized per-record gradients. (The whole private step is compared in the slow twin below.)"""
     from d3pext.training.ghost import PerRecordGradients
 
+    vae_model, vae_guide, x, kw = _small_vae()
+    svi = DPSVI(vae_model, vae_guide, numpyro.optim.Adam(0.1), Trace_ELBO(num_particles=2),
+                clipping_threshold=2.0, dp_scale=0.5)
+    params = svi.optim.get_params(svi.init(jax.random.key(1), x, **kw).optim_state)
+    key, idx = jax.random.key(3), jnp.arange(20)
+    per_record = PerRecordGradients(svi._record_loss)
+
+    @jax.jit
+    def both(p):
+        ghost = jax.vmap(lambda r: per_record(p, key, (x,), kw, r))((idx, idx))
+        grads = jax.vmap(lambda r: jax.grad(svi._record_loss)(p, key, (x,), kw, r))((idx, idx))
+        return ghost, grads
+
     # the identity holds in float32: on a GPU the reference's own products would round to TF32
     with jax.default_matmul_precision("highest"):
-        vae_model, vae_guide, x, kw = _small_vae()
-        svi = DPSVI(vae_model, vae_guide, numpyro.optim.Adam(0.1), Trace_ELBO(num_particles=2),
-                    clipping_threshold=2.0, dp_scale=0.5)
-        params = svi.optim.get_params(svi.init(jax.random.key(1), x, **kw).optim_state)
-        key, idx = jax.random.key(3), jnp.arange(20)
-        per_record = PerRecordGradients(svi._record_loss)
-
-        @jax.jit
-        def both(p):
-            ghost = jax.vmap(lambda r: per_record(p, key, (x,), kw, r))((idx, idx))
-            grads = jax.vmap(lambda r: jax.grad(svi._record_loss)(p, key, (x,), kw, r))((idx, idx))
-            return ghost, grads
-
         (_, norms, parts), grads = both(params)
         assert per_record.num_ghost == 5  # the biases get per-record gradients
         direct = jnp.sqrt(sum(jnp.sum(g.reshape(20, -1) ** 2, 1) for g in jax.tree.leaves(grads)))
