@@ -227,32 +227,68 @@ def _inverse_loss(relation: Relation, sigma: float, q: float, x: np.ndarray) -> 
     ``log y = x/2 + asinh((1-q) sinh(x/2) / a)``. Both are evaluated in log space for any x.
     """
     x = np.asarray(x, dtype=float)
+    if x.ndim == 0:
+        return _inverse_loss(relation, sigma, q, x.reshape(1)).reshape(())
     s2 = sigma**2
+    # (in place where the expressions allow: fresh large temporaries cost page faults)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         if relation is Relation.ADD_REMOVE:
             # log(e^x - (1 - q)) = x + log(1 - (1-q) e^-x), finite for x > log(1 - q).
-            log_excess = x + np.log1p(-(1.0 - q) * np.exp(-x))
-            t = s2 * (log_excess - math.log(q)) + 0.5
-            return np.where(x > (math.log1p(-q) if q < 1.0 else -math.inf), t, -np.inf)
+            t = np.negative(x)
+            np.exp(t, out=t)
+            t *= -(1.0 - q)
+            np.log1p(t, out=t)
+            np.add(x, t, out=t)
+            t -= math.log(q)
+            t *= s2
+            t += 0.5
+            np.copyto(t, -np.inf, where=~(x > (math.log1p(-q) if q < 1.0 else -math.inf)))
+            return t
         z = 0.5 * np.abs(x)
         log_a = math.log(q) - 0.5 / s2
-        log_v = math.log1p(-q) + z + np.log(-np.expm1(-2.0 * z)) - math.log(2.0) - log_a if q < 1.0 else -np.inf
-        log_v = np.broadcast_to(log_v, x.shape)
-        asinh_v = np.where(log_v > 20.0, log_v + math.log(2.0), np.arcsinh(np.exp(np.minimum(log_v, 20.0))))
-        return np.sign(x) * s2 * (z + asinh_v)
+        if q < 1.0:
+            log_v = math.log1p(-q) + z
+            sinh = np.multiply(z, -2.0)
+            np.expm1(sinh, out=sinh)
+            np.negative(sinh, out=sinh)
+            np.log(sinh, out=sinh)
+            log_v += sinh
+            log_v -= math.log(2.0)
+            log_v -= log_a
+        else:
+            log_v = np.full(x.shape, -np.inf)
+        asinh_v = np.minimum(log_v, 20.0)
+        np.exp(asinh_v, out=asinh_v)
+        np.arcsinh(asinh_v, out=asinh_v)
+        large = log_v > 20.0
+        np.add(log_v, math.log(2.0), out=asinh_v, where=large)
+        asinh_v += z
+        t = np.sign(x)
+        t *= s2
+        t *= asinh_v
+        return t
 
 
 def _gaussian_cells(mean: float, sigma: float, t: np.ndarray) -> tuple[np.ndarray, float, float]:
     """N(mean, sigma^2)-probabilities of the cells (t_k, t_k+1], of t <= t_0 and of t > t_-1,
     accurate in both tails."""
-    z = (t - mean) / sigma
-    tail = scipy.special.ndtr(-np.abs(z))  # the smaller of the two tails, accurate
+    z = t - mean
+    z /= sigma
     upper = z > 0.0
-    # Phi(z_k+1) - Phi(z_k) from the tails: both above 0, both below, or straddling 0.
-    cells = np.where(
-        upper[:-1], tail[:-1] - tail[1:], np.where(upper[1:], 1.0 - tail[1:] - tail[:-1], tail[1:] - tail[:-1])
-    )
-    return np.maximum(cells, 0.0), float(1.0 - tail[0] if upper[0] else tail[0]), float(tail[-1] if upper[-1] else 1.0 - tail[-1])
+    tail = np.abs(z, out=z)
+    np.negative(tail, out=tail)
+    scipy.special.ndtr(tail, out=tail)  # the smaller of the two tails, accurate
+    # Phi(z_k+1) - Phi(z_k) from the tails: tail_k - tail_k+1 where both lie above 0, tail_k+1 - tail_k
+    # where both lie below (a difference of the tails signed by side), 1 - tail_k+1 - tail_k across 0.
+    cells = np.negative(tail, where=upper, out=tail.copy())
+    np.subtract(cells[1:], cells[:-1], out=cells[:-1])
+    cells = cells[:-1]
+    across = np.flatnonzero(upper[1:] != upper[:-1])
+    if across.size:
+        a, b = tail[across], tail[across + 1]
+        cells[across] = np.where(upper[across], a - b, 1.0 - b - a)
+    np.maximum(cells, 0.0, out=cells)
+    return cells, float(1.0 - tail[0] if upper[0] else tail[0]), float(tail[-1] if upper[-1] else 1.0 - tail[-1])
 
 
 def _one_step_pmf(relation: Relation, sigma: float, q: float, dx: float, j_lo: int, j_hi: int) -> tuple[np.ndarray, float]:
@@ -276,9 +312,18 @@ def _one_step_cells(relation: Relation, sigma: float, q: float, dx: float, point
     (c0, b0, a0), (c1, b1, a1) = _gaussian_cells(0.0, sigma, t), _gaussian_cells(1.0, sigma, t)
     m, below, above = (1.0 - q) * c0 + q * c1, (1.0 - q) * b0 + q * b1, (1.0 - q) * a0 + q * a1
     n = c0 if relation is Relation.ADD_REMOVE else (1.0 - q) * c0 + q * _gaussian_cells(-1.0, sigma, t)[0]
-    w1 = np.clip((m - n * np.exp(grid[:-1])) / -np.expm1(-np.diff(grid)), 0.0, m)
+    # 1 - exp(-gap) per run of equal gaps (a few runs: the bulk's and the tails' spacings)
+    gaps = np.diff(points)
+    starts = np.concatenate([[0], np.flatnonzero(gaps[1:] != gaps[:-1]) + 1]) if gaps.size else np.zeros(0, dtype=int)
+    ends = np.append(starts[1:], gaps.size)
+    spread = np.repeat(-np.expm1(-(grid[starts + 1] - grid[starts])), ends - starts)
+    w1 = np.exp(grid[:-1])
+    w1 *= n
+    np.subtract(m, w1, out=w1)
+    w1 /= spread
+    np.clip(w1, 0.0, m, out=w1)
     pmf = np.zeros(grid.size)
-    pmf[:-1] += m - w1
+    np.subtract(m, w1, out=pmf[:-1])
     pmf[1:] += w1
     pmf[0] += below
     return pmf, above
@@ -544,7 +589,9 @@ class _Composer:
     (pessimistic).
     """
 
-    def __init__(self, unit: _Lattice, max_units: int, log_tail: float, min_pos: int = 0, min_neg: int = 0):
+    def __init__(
+        self, unit: _Lattice, max_units: int, log_tail: float, min_pos: int = 0, min_neg: int = 0, align: int = 1
+    ):
         h = unit.h
         above, self.lam, below = _chernoff_windows(unit, max_units, log_tail)
         above, below = min(max_units * unit.hi * h, above), min(-max_units * unit.lo * h, below)
@@ -553,7 +600,12 @@ class _Composer:
         self.log_mgf = unit.log_mgf(self.lam)
         # The unit itself must fit (its lowest values would otherwise collide with the highest).
         self.n_neg = max(math.ceil(max(below, 0.0) / h), -unit.lo, min_neg) + 1
-        self.nx = scipy.fft.next_fast_len(self.n_neg + max(math.floor(above / h), unit.hi, min_pos) + 2, real=True)
+        n_pos = max(math.floor(above / h), unit.hi, min_pos) + 2
+        if align > 1:  # (see aliased(): one more cell of `align` points below the window)
+            self.n_neg = -(-(self.n_neg + align) // align) * align
+            self.nx = align * scipy.fft.next_fast_len(-(-(self.n_neg + n_pos) // align), real=True)
+        else:
+            self.nx = scipy.fft.next_fast_len(self.n_neg + n_pos, real=True)
         if self.nx > _MAX_NX:
             raise _Untrusted(f"a grid step of {h:.2g} exceeds the grid budget")
         self.n_pos = self.nx - self.n_neg
@@ -575,6 +627,41 @@ class _Composer:
             out.append(scipy.fft.irfft(power, n=self.nx, workers=-1))
             if j + 1 < count:
                 power = power * self.spectrum
+        return out
+
+    def coarsening_spectrum(self, k: int) -> np.ndarray:
+        """Transform of the kernel that, sampled at multiples of ``k``, connects the dots onto the grid of
+        step ``k h`` (as :meth:`_Lattice.coarsened`): point ``g k + j`` gives ``up_j`` to ``g + 1``, the rest to ``g``."""
+        up = -np.expm1(-np.arange(k) * self.h) / -math.expm1(-k * self.h)
+        kernel = np.zeros(self.nx)
+        kernel[(-np.arange(k)) % self.nx] = 1.0 - up
+        kernel[k - np.arange(1, k)] = up[1:]
+        return scipy.fft.rfft(kernel, workers=-1)
+
+    def aliased_run(self, first: int, count: int, kernel: np.ndarray, k: int) -> list[_Lattice]:
+        """``first``, ..., ``first + count - 1`` compositions connected onto the grid of step ``k h`` in the
+        frequency domain (``kernel``: :meth:`coarsening_spectrum`; ``nx`` and ``n_neg`` multiples of ``k``):
+        the sum of the ``k`` aliases of each spectrum is the transform of the coarse points on a circle of
+        ``nx / k``, so no transform of the fine circle is inverted. That circle joins the top cell's share
+        of its upper end to the lowest point: the whole lowest point is put at the upper end (its own mass
+        lies beyond the window, ``n_neg`` having a cell to spare, and moving loss up is pessimistic).
+        Lattices with their FFT rounding noise (negative values) kept."""
+        m, half = self.nx // k, self.nx // 2
+        c_neg = self.n_neg // k
+        spectrum, out = _power(self.spectrum, first) * kernel, []
+        for j in range(count):
+            if k == 1:
+                folded = spectrum
+            else:
+                # Aliases mu + a m: a < k/2 from the stored half spectrum, the others as conjugates.
+                low = spectrum[:half].reshape(k // 2, m).sum(axis=0)[: m // 2 + 1]
+                high = spectrum[1 : half + 1].reshape(k // 2, m).sum(axis=0)[::-1][: m // 2 + 1]
+                folded = (low + np.conj(high)) / k
+            coarse = scipy.fft.irfft(folded, n=m, workers=-1)
+            pmf = np.concatenate([coarse[m - c_neg + 1 :], coarse[: m - c_neg], coarse[m - c_neg : m - c_neg + 1]])
+            out.append(_Lattice(pmf, 1 - c_neg, k * self.h))
+            if j + 1 < count:
+                spectrum = spectrum * self.spectrum
         return out
 
     def wrapped(self, units: int, extra_log_mgf: float = 0.0, extra_hi: int = 0) -> float:
@@ -623,7 +710,8 @@ class _FourierPLD:
         # The wrap budget: half for the fine grid (per block), half for the coarse one.
         max_blocks = plan.max_steps // self.block
         log_tail_fine = plan.log_tail - math.log(2.0 * (max_blocks + 1))
-        self.fine = _Composer(one, self.block, log_tail_fine)
+        self.fine = _Composer(one, self.block, log_tail_fine, align=self.k)
+        self.kernel = self.fine.coarsening_spectrum(self.k)
         self.block_wrapped = self.fine.wrapped(self.block)
         block = self._coarse(self.block)
         # Room for the coarsened remainders, which lie within the fine window.
@@ -631,7 +719,9 @@ class _FourierPLD:
         self.coarse = _Composer(block, max_blocks + 1, plan.log_tail - math.log(2.0), min_pos, min_neg)
 
     def _coarse(self, num_steps: int) -> _Lattice:
-        return _Lattice.from_fft_order(self.fine.composed(num_steps), self.fine.n_neg, self.fine.h).coarsened(self.k)
+        """``num_steps`` steps on the coarse grid (negative rounding noise dropped: added mass only raises delta)."""
+        (lattice,) = self.fine.aliased_run(num_steps, 1, self.kernel, self.k)
+        return _Lattice(np.maximum(lattice.pmf, 0.0), lattice.lo, lattice.h)
 
     def composed(self, num_steps: int) -> tuple[np.ndarray, np.ndarray, float]:
         """``(x, p, missing)``: probabilities ``p`` of the composed loss at the grid points ``x > 0`` (the
@@ -717,7 +807,8 @@ class _SplitPLD:
                 self.terms = int(enough[0])
                 break
             half *= 2.0  # a wider bulk leaves fewer tail events
-        self.fine = _Composer(_Lattice(bulk / self.p_bulk, f_lo, dx), self.block, log_budget)
+        self.fine = _Composer(_Lattice(bulk / self.p_bulk, f_lo, dx), self.block, log_budget, align=k)
+        self.kernel = self.fine.coarsening_spectrum(k)
         # The circle of one block on the coarse grid: the Chernoff window of B steps of b + u (coarsening
         # moves loss up by less than h), the coarsened fine circle and one step's tails. The Chernoff
         # bound uses copies of both parts connected to at most 256 cells each: connecting the dots
@@ -761,7 +852,8 @@ class _SplitPLD:
         terms = min(self.terms, num_steps)
         spectrum = np.zeros(self.nx // 2 + 1, dtype=complex)
         missing = 0.0
-        fine_run = self.fine.composed_run(num_steps - terms, terms + 1)  # num_steps - terms, ..., num_steps
+        # num_steps - terms, ..., num_steps steps of the bulk, coarsened
+        bulk_run = self.fine.aliased_run(num_steps - terms, terms + 1, self.kernel, self.k)
         tail_power = None
         for i in range(terms + 1):
             log_weight = (
@@ -770,9 +862,9 @@ class _SplitPLD:
                 + (i * math.log(self.p_tail) if i else 0.0)
             )
             weight = math.exp(log_weight)
-            fine = fine_run[terms - i]
-            missing += weight * _rounding_noise(fine)  # dropped by coarsening
-            bulk = _Lattice.from_fft_order(fine, self.fine.n_neg, self.dx).coarsened(self.k)
+            bulk = bulk_run[terms - i]
+            missing += weight * _rounding_noise(bulk.pmf)  # dropped below
+            bulk = _Lattice(np.maximum(bulk.pmf, 0.0), bulk.lo, bulk.h)
             term = scipy.fft.rfft(bulk.in_fft_order(self.nx), workers=-1)
             if i:
                 tail_power = self.tail_spectrum if i == 1 else tail_power * self.tail_spectrum

@@ -642,6 +642,28 @@ def test_spectrum_powers_by_squaring():
     assert composed[shown:].sum() <= 1e-12
 
 
+@pytest.mark.parametrize("k", [1, 2, 32])
+def test_bulk_coarsened_in_the_frequency_domain(k):
+    # _SplitPLD's bulk compositions are connected onto the coarse grid by summing aliases of their
+    # spectra (no inverse transform of the fine circle): the same lattices as connecting the dots of
+    # the fine composition (_Lattice.coarsened), but the lowest point, beyond the window, moved to the
+    # top (pessimistic).
+    rng = np.random.default_rng(1)
+    pmf = rng.random(200) * np.exp(-0.5 * np.linspace(-3.0, 3.0, 200) ** 2)
+    pmf /= pmf.sum()
+    unit = fourier._Lattice(pmf, -70, 1e-3)
+    composer = fourier._Composer(unit, 40, math.log(1e-12), align=k)
+    assert composer.nx % k == 0 and composer.n_neg % k == 0
+    kernel = composer.coarsening_spectrum(k)
+    for units, aliased in zip(range(37, 41), composer.aliased_run(37, 4, kernel, k)):
+        fine = fourier._Lattice.from_fft_order(composer.composed(units), composer.n_neg, 1e-3)
+        expected = fine.coarsened(k)
+        assert aliased.h == expected.h and aliased.lo == expected.lo + 1 and aliased.hi <= expected.hi
+        np.testing.assert_allclose(aliased.pmf[:-1], expected.pmf[1 : aliased.pmf.size], atol=1e-15)
+        assert aliased.pmf[-1] == pytest.approx(expected.pmf[0] + expected.pmf[aliased.pmf.size], abs=1e-15)
+        assert expected.pmf[0] <= 1e-12  # (a cell beyond the window)
+
+
 # ---------------------------------------------------------------------------------------------
 # Failure detection.
 
