@@ -710,8 +710,7 @@ class _FourierPLD:
         # The wrap budget: half for the fine grid (per block), half for the coarse one.
         max_blocks = plan.max_steps // self.block
         log_tail_fine = plan.log_tail - math.log(2.0 * (max_blocks + 1))
-        self.fine = _Composer(one, self.block, log_tail_fine, align=self.k)
-        self.kernel = self.fine.coarsening_spectrum(self.k)
+        self.fine = _Composer(one, self.block, log_tail_fine)
         self.block_wrapped = self.fine.wrapped(self.block)
         block = self._coarse(self.block)
         # Room for the coarsened remainders, which lie within the fine window.
@@ -719,9 +718,7 @@ class _FourierPLD:
         self.coarse = _Composer(block, max_blocks + 1, plan.log_tail - math.log(2.0), min_pos, min_neg)
 
     def _coarse(self, num_steps: int) -> _Lattice:
-        """``num_steps`` steps on the coarse grid (negative rounding noise dropped: added mass only raises delta)."""
-        (lattice,) = self.fine.aliased_run(num_steps, 1, self.kernel, self.k)
-        return _Lattice(np.maximum(lattice.pmf, 0.0), lattice.lo, lattice.h)
+        return _Lattice.from_fft_order(self.fine.composed(num_steps), self.fine.n_neg, self.fine.h).coarsened(self.k)
 
     def composed(self, num_steps: int) -> tuple[np.ndarray, np.ndarray, float]:
         """``(x, p, missing)``: probabilities ``p`` of the composed loss at the grid points ``x > 0`` (the
