@@ -601,7 +601,7 @@ class _Composer:
         # The unit itself must fit (its lowest values would otherwise collide with the highest).
         self.n_neg = max(math.ceil(max(below, 0.0) / h), -unit.lo, min_neg) + 1
         n_pos = max(math.floor(above / h), unit.hi, min_pos) + 2
-        if align > 1:  # (see aliased(): one more cell of `align` points below the window)
+        if align > 1:  # (see aliased_run(): one more cell of `align` points below the window)
             self.n_neg = -(-(self.n_neg + align) // align) * align
             self.nx = align * scipy.fft.next_fast_len(-(-(self.n_neg + n_pos) // align), real=True)
         else:
@@ -619,15 +619,6 @@ class _Composer:
         """``units`` compositions (times the transform ``spectrum``), FFT order."""
         power = _power(self.spectrum, units)
         return scipy.fft.irfft(power if spectrum is None else power * spectrum, n=self.nx, workers=-1)
-
-    def composed_run(self, first: int, count: int) -> list[np.ndarray]:
-        """``first``, ..., ``first + count - 1`` compositions, FFT order: one power, then products."""
-        power, out = _power(self.spectrum, first), []
-        for j in range(count):
-            out.append(scipy.fft.irfft(power, n=self.nx, workers=-1))
-            if j + 1 < count:
-                power = power * self.spectrum
-        return out
 
     def coarsening_spectrum(self, k: int) -> np.ndarray:
         """Transform of the kernel that, sampled at multiples of ``k``, connects the dots onto the grid of
