@@ -201,6 +201,18 @@ def test_module_and_console_script_entry_points():
         assert proc.returncode == 0 and "demo" in proc.stdout
 
 
+def test_a_finished_command_exits_with_all_its_output_through_a_pipe():
+    # run() leaves without the interpreter's teardown: what was printed must still arrive, whole
+    argv = ["epsilon", "--sigma", "2", "--q", "0.01", "--steps", "1000", "--delta", "1e-5"]
+    proc = subprocess.run([sys.executable, "-m", "d3pext", *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert proc.stdout.startswith("epsilon: ") and proc.stdout.endswith("relation: substitute\n")
+    assert proc.stdout == subprocess.run(
+        [sys.executable, "-c", f"from d3pext.cli import main; main({argv!r})"], capture_output=True, text=True,
+        timeout=120, check=True,
+    ).stdout
+
+
 def test_audit_command(capsys):
     assert main(["audit", "--releases", "2000", "--seed", "0"]) == 0
     out = capsys.readouterr().out
