@@ -607,6 +607,47 @@ def test_point_chernoff_is_valid_and_near_the_best_lam(wide):
     assert (units * log_mgf(lam) - log_tail) / lam == pytest.approx(above)
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_newton_chernoff_is_valid_and_at_the_best_lam(wide):
+    # The split grids' Chernoff windows (Newton's method on the lam): on the skewed three-point loss of
+    # test_point_chernoff_is_valid_and_near_the_best_lam, within 1e-6 of a dense sweep (the sweeps
+    # of _point_chernoff: within 1%), the window a bound at the lam returned, and the log-MGF there.
+    x = np.array([-0.01, 0.0, 0.8])
+    p = np.array([0.3, 0.69, 0.01])
+    units, log_tail = 400, math.log(1e-9)
+    above, lam, below, log_mgf_at_lam = fourier._newton_chernoff(x, p, units, log_tail, wide=wide)
+    log_mgf = lambda lam: scipy.special.logsumexp(lam * x, b=p)
+    dense = np.geomspace(1e-3, 1e3, 40001)
+    best_above = min((units * log_mgf(l) - log_tail) / l for l in dense)
+    best_below = min((units * log_mgf(-l) - log_tail) / l for l in dense)
+    assert best_above * (1 - 1e-6) <= above <= best_above * (1 + 1e-6)
+    assert best_below * (1 - 1e-6) <= below <= best_below * (1 + 1e-6)
+    assert (units * log_mgf(lam) - log_tail) / lam == pytest.approx(above, rel=1e-12)
+    assert log_mgf_at_lam == pytest.approx(log_mgf(lam), rel=1e-12, abs=1e-14)
+
+
+def test_newton_chernoff_never_loses_to_the_sweeps():
+    # Random losses (Gaussian-like, skewed, with heavy tails, sub-probabilities), few and many units:
+    # every window is the bound at its own lam (valid), and at most the sweeps' window (Newton's lam is
+    # known within 1%, where g may have a kink: up to 1e-4 above it).
+    rng = np.random.default_rng(3)
+    for trial in range(150):
+        n = int(rng.integers(3, 1200))
+        x = np.sort(rng.normal(size=n) * rng.choice([1e-3, 1e-1, 1.0, 10.0])) + 0.1 * rng.normal()
+        p = rng.random(n) ** rng.choice([1, 5, 30])
+        p /= p.sum()
+        if trial % 3 == 0:
+            p[-5:] = 1e-7  # rare large losses
+        units, log_tail = int(rng.choice([1, 10, 1000, 100_000])), math.log(rng.choice([1e-9, 1e-15, 1e-20]))
+        for wide in (False, True):
+            above, lam, below, log_mgf = fourier._newton_chernoff(x, p, units, log_tail, wide=wide)
+            swept_above, _, swept_below = fourier._point_chernoff(x, p, units, log_tail, wide=wide)
+            assert log_mgf == pytest.approx(scipy.special.logsumexp(lam * x, b=p), rel=1e-12, abs=1e-14)
+            assert (units * log_mgf - log_tail) / lam == pytest.approx(above, rel=1e-12, abs=1e-14)
+            assert above <= swept_above + 1e-4 * abs(swept_above) + 1e-15
+            assert below <= swept_below + 1e-4 * abs(swept_below) + 1e-15
+
+
 @pytest.mark.parametrize("relation", [R, S])
 @pytest.mark.parametrize("sigma, q", [(0.08, 1e-4), (0.7, 1e-3), (3.0, 0.1)])
 def test_loss_mgf_tail_bound_is_near_the_best_lam(relation, sigma, q):
