@@ -271,24 +271,24 @@ def _inverse_loss(relation: Relation, sigma: float, q: float, x: np.ndarray) -> 
 
 def _gaussian_cells(mean: float, sigma: float, t: np.ndarray) -> tuple[np.ndarray, float, float]:
     """N(mean, sigma^2)-probabilities of the cells (t_k, t_k+1], of t <= t_0 and of t > t_-1,
-    accurate in both tails."""
+    accurate in both tails (``t`` non-decreasing)."""
     z = t - mean
     z /= sigma
-    upper = z > 0.0
-    tail = np.abs(z, out=z)
-    np.negative(tail, out=tail)
-    scipy.special.ndtr(tail, out=tail)  # the smaller of the two tails, accurate
-    # Phi(z_k+1) - Phi(z_k) from the tails: tail_k - tail_k+1 where both lie above 0, tail_k+1 - tail_k
-    # where both lie below (a difference of the tails signed by side), 1 - tail_k+1 - tail_k across 0.
-    cells = np.negative(tail, where=upper, out=tail.copy())
-    np.subtract(cells[1:], cells[:-1], out=cells[:-1])
-    cells = cells[:-1]
-    across = np.flatnonzero(upper[1:] != upper[:-1])
-    if across.size:
-        a, b = tail[across], tail[across + 1]
-        cells[across] = np.where(upper[across], a - b, 1.0 - b - a)
+    # The points below the mean come first: from the lower tail Phi(z) there, from the upper one
+    # Phi(-z) above (the smaller tail on each side, accurate). (Were t out of order by rounding near
+    # the mean, the cells there would come from the other tail, as exact.)
+    size, i0 = z.size, int(np.searchsorted(z, 0.0, side="right"))
+    np.negative(z[i0:], out=z[i0:])
+    tail = scipy.special.ndtr(z, out=z)
+    # Phi(z_k+1) - Phi(z_k): tail_k+1 - tail_k below, tail_k - tail_k+1 above, 1 - tail_k+1 - tail_k across.
+    cells = np.empty(size - 1)
+    below_end = max(i0 - 1, 0)
+    np.subtract(tail[1 : below_end + 1], tail[:below_end], out=cells[:below_end])
+    np.subtract(tail[i0 : size - 1], tail[i0 + 1 :], out=cells[i0:])
+    if 0 < i0 < size:
+        cells[i0 - 1] = 1.0 - tail[i0] - tail[i0 - 1]
     np.maximum(cells, 0.0, out=cells)
-    return cells, float(1.0 - tail[0] if upper[0] else tail[0]), float(tail[-1] if upper[-1] else 1.0 - tail[-1])
+    return cells, float(tail[0] if i0 > 0 else 1.0 - tail[0]), float(tail[-1] if i0 < size else 1.0 - tail[-1])
 
 
 def _one_step_pmf(relation: Relation, sigma: float, q: float, dx: float, j_lo: int, j_hi: int) -> tuple[np.ndarray, float]:
@@ -481,7 +481,10 @@ class _Lattice(NamedTuple):
     def in_fft_order(self, nx: int) -> np.ndarray:
         """Length-``nx`` array with the probability of ``i h`` at ``i mod nx`` (the support must fit)."""
         out = np.zeros(nx)
-        out[np.arange(self.lo, self.hi + 1) % nx] = self.pmf
+        start = self.lo % nx
+        first = min(self.pmf.size, nx - start)  # (up to the end of the array, the rest from its start)
+        out[start : start + first] = self.pmf[:first]
+        out[: self.pmf.size - first] = self.pmf[first:]
         return out
 
     def log_mgf(self, lam: float) -> float:
