@@ -263,10 +263,8 @@ def _inverse_loss(relation: Relation, sigma: float, q: float, x: np.ndarray) -> 
         large = log_v > 20.0
         np.add(log_v, math.log(2.0), out=asinh_v, where=large)
         asinh_v += z
-        t = np.sign(x)
-        t *= s2
-        t *= asinh_v
-        return t
+        asinh_v *= s2  # (sign(x) s2 asinh: the product's rounding is symmetric)
+        return np.copysign(asinh_v, x, out=asinh_v)
 
 
 def _gaussian_cells(mean: float, sigma: float, t: np.ndarray) -> tuple[np.ndarray, float, float]:
@@ -310,18 +308,29 @@ def _one_step_cells(relation: Relation, sigma: float, q: float, dx: float, point
     t = _inverse_loss(relation, sigma, q, grid)
     # P = (1-q) N(0) + q N(1); Q = N(0) (add/remove) or (1-q) N(0) + q N(-1) (substitute).
     (c0, b0, a0), (c1, b1, a1) = _gaussian_cells(0.0, sigma, t), _gaussian_cells(1.0, sigma, t)
-    m, below, above = (1.0 - q) * c0 + q * c1, (1.0 - q) * b0 + q * b1, (1.0 - q) * a0 + q * a1
-    n = c0 if relation is Relation.ADD_REMOVE else (1.0 - q) * c0 + q * _gaussian_cells(-1.0, sigma, t)[0]
+    below, above = (1.0 - q) * b0 + q * b1, (1.0 - q) * a0 + q * a1
+    m = np.multiply(c0, 1.0 - q)
+    m += np.multiply(c1, q, out=c1)
+    if relation is Relation.ADD_REMOVE:
+        n = c0
+    else:
+        n = np.multiply(c0, 1.0 - q, out=c0)
+        n += np.multiply(_gaussian_cells(-1.0, sigma, t)[0], q)
     # 1 - exp(-gap) per run of equal gaps (a few runs: the bulk's and the tails' spacings)
     gaps = np.diff(points)
     starts = np.concatenate([[0], np.flatnonzero(gaps[1:] != gaps[:-1]) + 1]) if gaps.size else np.zeros(0, dtype=int)
     ends = np.append(starts[1:], gaps.size)
-    spread = np.repeat(-np.expm1(-(grid[starts + 1] - grid[starts])), ends - starts)
+    spreads = -np.expm1(-(grid[starts + 1] - grid[starts]))
     w1 = np.exp(grid[:-1])
     w1 *= n
     np.subtract(m, w1, out=w1)
-    w1 /= spread
-    np.clip(w1, 0.0, m, out=w1)
+    if starts.size <= 16:
+        for start, end, spread in zip(starts.tolist(), ends.tolist(), spreads.tolist()):
+            w1[start:end] /= spread
+    else:
+        w1 /= np.repeat(spreads, ends - starts)
+    np.minimum(w1, m, out=w1)  # (clip to [0, m], m >= 0)
+    np.maximum(w1, 0.0, out=w1)
     pmf = np.zeros(grid.size)
     np.subtract(m, w1, out=pmf[:-1])
     pmf[1:] += w1
@@ -864,7 +873,7 @@ class _SplitPLD:
             points = np.concatenate([lower, np.arange(f_lo, f_hi + 1), upper])
             pmf, self.beyond = _one_step_cells(relation, sigma, q, dx, points)
             bulk = pmf[lower.size : lower.size + f_hi - f_lo + 1]
-            tail_points = np.concatenate([lower, upper]) // k
+            tail_points = np.concatenate([np.arange(g_lo, -c), np.arange(c + 1, g_hi + 1)])  # (lower, upper) / k
             tail = np.concatenate([pmf[: lower.size], pmf[lower.size + bulk.size :]])
             self.p_bulk, self.p_tail = float(np.sum(bulk)), float(np.sum(tail))
             if self.p_tail <= 0.0:
@@ -887,7 +896,7 @@ class _SplitPLD:
         parts = [_Lattice(bulk, f_lo, dx)]
         if self.p_tail > 0.0:
             dense_tail = np.zeros(int(tail_points.max() - tail_points.min()) + 1)
-            np.add.at(dense_tail, tail_points - tail_points.min(), tail)
+            dense_tail[tail_points - tail_points.min()] = tail  # (distinct points)
             parts.append(_Lattice(dense_tail, int(tail_points.min()), self.h))
         x_up, p_up = [], []
         for part in parts:
@@ -908,7 +917,7 @@ class _SplitPLD:
         self.n_pos = self.nx - self.n_neg
         if self.terms:
             tail_circle = np.zeros(self.nx)
-            np.add.at(tail_circle, tail_points % self.nx, tail / self.p_tail)
+            tail_circle[tail_points % self.nx] = tail / self.p_tail  # (distinct: the circle holds g_lo..g_hi)
             self.tail_spectrum = scipy.fft.rfft(tail_circle, workers=-1)
         self._blocks: dict[int, tuple[_Lattice, float]] = {}
         if max_steps > self.block:
