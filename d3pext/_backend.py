@@ -33,3 +33,11 @@ def forced_form(form: Literal["cpu", "accelerator"]) -> Iterator[None]:
         yield
     finally:
         _forced = previous
+
+
+# Every engine module imports this one: the CPU lowering of Threefry over one flat axis (same bits,
+# seconds less compilation per multi-dimensional draw; see d3pext._threefry_cpu) is in place before
+# any of their programs is lowered.
+from d3pext._threefry_cpu import install as _install_flat_threefry  # noqa: E402
+
+_install_flat_threefry()
