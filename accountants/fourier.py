@@ -38,6 +38,7 @@ stable; if that fails as well, :class:`AccountingError` is raised.
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import functools
 import math
@@ -111,10 +112,18 @@ _SPLIT_MAX_TERMS = 12  # most tail events per block composed exactly
 _SPLIT_COARSE_POINTS = 2**14  # the first coarse grid spans the composed window with at most about this many
 _SPLIT_FINE_LEVELS = 3  # the bulk's grid step is at least the initial step halved this many times
 _SPLIT_BLOCK_QT = 0.15  # blocks of at least this many expected participations, over q (all steps if fewer)
+_SPLIT_THIN_MIN = 8192  # the search's tails are thinned where one step's window spans more coarse points than this
+_SPLIT_THIN_POINTS = 512  # and the thinned parts get a grid step of about this fraction of the window
+_SPLIT_THIN_LOG_SHARE = math.log(1e-3)  # the rest of the run reaches past the thinning but with this share of the wrap budget, per step
 # dp-accounting fallback.
 _DPA_RTOL = 2e-3
 _MAX_DPA_WINDOW = 1e4  # dp-accounting's grid spans the privacy loss, at 1e-2 (or finer) per point
 _DPA_INTERVALS = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)  # value_discretization_interval
+
+
+# The largest epsilon the search asks of a grid (approximate_sigma sets it around its grid evaluations):
+# _SplitPLD may then connect the far tails on a coarser partition (see _SplitPLD).
+_EPS_BOUND: contextvars.ContextVar[float | None] = contextvars.ContextVar("_EPS_BOUND", default=None)
 
 
 class _Untrusted(Exception):
@@ -838,9 +847,19 @@ class _SplitPLD:
     fine grid that spans only its own narrow range, the tails on the coarse grid. Terms with more
     than ``K`` tail events (a binomial tail) count as infinite loss. Blocks of ``B`` steps are then
     composed on the coarse grid as in :class:`_FourierPLD`.
+
+    With ``eps_bound`` (epsilons up to it only, :data:`_EPS_BOUND`), the far tails are connected on a
+    coarser partition (every ``n / 512``-th of the window's ``n`` coarse points) (any partition dominates: still an upper
+    bound), where the sum of the other steps' losses takes a loss from there to ``eps_bound`` or below
+    (upper tail), or to above 0 (lower tail), only in runs of probability below
+    ``exp(_SPLIT_THIN_LOG_SHARE)`` times the wrap budget (:func:`_thin_from`, with the discretisation's
+    shifts as a margin). In all other runs the composed mass from those cells lies wholly above (below)
+    every epsilon asked for, where delta depends only on its P- and Q-masses, which connecting the dots
+    keeps: the epsilons are those of the full partition up to ~1e-10. ``eps_bound`` is kept as an
+    attribute where that happened (else None): an epsilon above it must come from a grid without it.
     """
 
-    def __init__(self, relation: Relation, sigma: float, q: float, dx: float, plan: _Plan):
+    def __init__(self, relation: Relation, sigma: float, q: float, dx: float, plan: _Plan, eps_bound: float | None = None):
         max_steps = plan.max_steps
         self.block, k = _split_scales(max_steps, q)
         # k is set on the first grid of the refinement, so that halving dx halves h as well. Small
@@ -863,17 +882,34 @@ class _SplitPLD:
         # Each bound below gets a share of the wrap budget, per block.
         log_budget = plan.log_tail - math.log(4.0 * (max_blocks + 1))
         half = _SPLIT_BULK_STDS * plan.mgf.std
+        # The thinned tails: coarse indices from thin_up up, from -thin_low down, every `thin_step`-th.
+        thin_up = thin_low = math.inf
+        self.eps_bound = None
+        if eps_bound is not None and g_hi - g_lo > _SPLIT_THIN_MIN:
+            # (the discretisation moves each step's loss by less than a cell: dx in the bulk, h in the
+            # tails and per coarsened block; and the thinned cell itself by its width)
+            thin_step = max(1, (g_hi - g_lo) // _SPLIT_THIN_POINTS)
+            margin = (max_steps - 1) * dx + (max_blocks + 2) * self.h + (thin_step + 1) * self.h
+            up = _thin_from(relation, sigma, q, plan, plan.one_step.above, eps_bound + margin, 1.0)
+            low = _thin_from(relation, sigma, q, plan, plan.one_step.below, margin, -1.0)
+            thin_up, thin_low = (math.ceil(v / self.h) if math.isfinite(v) else math.inf for v in (up, low))
+            if thin_up < g_hi - thin_step or thin_low < -g_lo - thin_step:
+                self.eps_bound = eps_bound
         while True:
             c = max(1, math.ceil(half / self.h))  # the bulk: |j| <= c k
-            lower = np.arange(g_lo, -c) * k if g_lo < -c else np.zeros(0, dtype=np.int64)
-            upper = np.arange(c + 1, g_hi + 1) * k if g_hi > c else np.zeros(0, dtype=np.int64)
+            if self.eps_bound is None:
+                lower_g, upper_g = np.arange(g_lo, -c), np.arange(c + 1, g_hi + 1)
+            else:
+                lower_g = -_tail_indices(c + 1, -g_lo, thin_low, thin_step)[::-1]
+                upper_g = _tail_indices(c + 1, g_hi, thin_up, thin_step)
+            lower, upper = lower_g * k, upper_g * k
             f_lo, f_hi = max(j_lo, -c * k), min(j_hi, c * k)
             if f_hi - f_lo > _MAX_NX_ONE_STEP:
                 raise _Untrusted(f"a grid step of {dx:.2g} exceeds the grid budget")
             points = np.concatenate([lower, np.arange(f_lo, f_hi + 1), upper])
             pmf, self.beyond = _one_step_cells(relation, sigma, q, dx, points)
             bulk = pmf[lower.size : lower.size + f_hi - f_lo + 1]
-            tail_points = np.concatenate([np.arange(g_lo, -c), np.arange(c + 1, g_hi + 1)])  # (lower, upper) / k
+            tail_points = np.concatenate([lower_g, upper_g])
             tail = np.concatenate([pmf[: lower.size], pmf[lower.size + bulk.size :]])
             self.p_bulk, self.p_tail = float(np.sum(bulk)), float(np.sum(tail))
             if self.p_tail <= 0.0:
@@ -983,6 +1019,92 @@ class _SplitPLD:
         return np.arange(1, grid.n_pos) * grid.h, values[1 : grid.n_pos], missing
 
 
+def _tail_indices(first: int, last: int, thin_from: float, step: int) -> np.ndarray:
+    """``first, ..., last``: every one below ``thin_from``, every ``step``-th from there, ``last`` kept."""
+    if last < first:
+        return np.zeros(0, dtype=np.int64)
+    if step <= 1 or thin_from >= last:
+        return np.arange(first, last + 1)
+    thin_from = max(int(thin_from), first)
+    out = np.concatenate([np.arange(first, thin_from), np.arange(thin_from, last + 1, step)])
+    return out if out[-1] == last else np.append(out, last)
+
+
+_THIN_LAMS = np.geomspace(1e-2, 1e6, 33)  # lams of the Chernoff bounds of _rest_tails
+
+
+@functools.lru_cache(maxsize=64)
+def _rest_tails(relation: Relation, sigma: float, q: float, max_steps: int, jump: float) -> tuple:
+    """Bounds on the tails of the sum ``Y`` of ``r = max_steps - 1`` steps' (exact) losses ``L_i``, split
+    into jumps ``J_i = L_i 1{|L_i| > jump}`` and the rest ``B_i``: ``(log_two, lower, upper)`` such that
+
+    ``P(Y < -y) <= r P(L < -y/2) + exp(log_two) + min(exp(lower - lam y / 2))`` and
+    ``P(Y > y) <= r P(L > y/2) + exp(log_two) + min(exp(upper - lam y / 2))`` (lams :data:`_THIN_LAMS`):
+
+    ``Y < -y`` needs ``sum J < -y/2`` (one jump below ``-y/2``, or two jumps: ``exp(log_two)`` bounds
+    that) or ``sum B < -y/2`` (Chernoff: the MGF of ``B`` bounded above by an upper sum over cells of
+    the output t, whose probabilities are exact, as the loss increases in t).
+    """
+    rest = max(max_steps - 1, 1)
+    # t where |L| <= jump: [t(-jump), t(jump)] (add/remove: from well below 0, its loss >= log(1 - q))
+    t_lo = float(_inverse_loss(relation, sigma, q, np.array(-jump)))
+    t_hi = float(_inverse_loss(relation, sigma, q, np.array(jump)))
+    if not math.isfinite(t_lo):
+        t_lo = -40.0 * sigma
+    t = np.linspace(t_lo, t_hi, 1025)
+    cells0, below0, above0 = _gaussian_cells(0.0, sigma, t)
+    cells1, below1, above1 = _gaussian_cells(1.0, sigma, t)
+    p_jump = (1.0 - q) * (below0 + above0) + q * (below1 + above1)
+    with np.errstate(divide="ignore"):
+        log_cells = np.log((1.0 - q) * cells0 + q * cells1)
+    loss = _privacy_loss(relation, sigma, q, t)
+    lams = _THIN_LAMS[:, None]
+
+    def log_mgf(exponents: np.ndarray) -> np.ndarray:  # log(P(jump) + sum exp(exponents)) per lam
+        peak = np.maximum(exponents.max(axis=1), math.log(max(p_jump, 1e-300)))
+        exponents -= peak[:, None]
+        return peak + np.log(np.exp(exponents, out=exponents).sum(axis=1) + p_jump * np.exp(-peak))
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        lower = rest * log_mgf(log_cells - lams * loss[:-1])  # E[exp(-lam B)]: loss at each cell's lower end
+        upper = rest * log_mgf(log_cells + lams * loss[1:])  # E[exp(lam B)]: at its upper end
+    jumps = rest * p_jump
+    log_two = 2.0 * math.log(max(jumps, 1e-300)) - math.log(2.0 * (1.0 - jumps)) if jumps < 1.0 else 0.0
+    return log_two, lower, upper
+
+
+def _thin_from(relation: Relation, sigma: float, q: float, plan: _Plan, reach: float, shift: float, sign: float) -> float:
+    """The least ``a`` of 256 in ``(0, reach]`` with ``T P(sign L >= a) P(sign Y < shift - a) <= exp(log_tail +
+    _SPLIT_THIN_LOG_SHARE)`` (``L``: one step's loss, ``Y``: the other steps' sum, :func:`_rest_tails`;
+    ``T = plan.max_steps``); inf where none. Upper tail (``sign = 1``, ``shift`` = the largest epsilon plus
+    a margin): the runs in which some step's loss lies above ``a`` and the sum of the others below
+    ``shift - a`` have at most that probability, and in all other runs with such a step the sum lies
+    above every epsilon asked for. Lower tail (``sign = -1``, ``shift`` = the margin): likewise below 0."""
+    max_steps = plan.max_steps
+    log_two, lower, upper = _rest_tails(relation, sigma, q, max_steps, _SPLIT_BULK_STDS * plan.mgf.std)
+    a = np.linspace(0.0, reach, 257)[1:]
+    y = a - shift  # sign Y < -y
+    ok = y > 0.0
+    if not np.any(ok):
+        return math.inf
+    a, y = a[ok], y[ok]
+
+    def log_tail_of_loss(x: np.ndarray, upper_tail: bool) -> np.ndarray:  # log P(L >= x) or log P(L <= x)
+        t = _inverse_loss(relation, sigma, q, x)
+        s = -1.0 if upper_tail else 1.0
+        with np.errstate(divide="ignore"):
+            return np.logaddexp(
+                math.log1p(-q) + scipy.special.log_ndtr(s * t / sigma), math.log(q) + scipy.special.log_ndtr(s * (t - 1.0) / sigma)
+            )
+
+    chernoff = ((lower if sign > 0.0 else upper)[:, None] - _THIN_LAMS[:, None] * (0.5 * y)).min(axis=0)
+    one_jump = math.log(max(max_steps - 1, 1)) + log_tail_of_loss(-sign * 0.5 * y, sign < 0.0)
+    log_rest = np.logaddexp(np.logaddexp(one_jump, log_two), chernoff)
+    log_one = log_tail_of_loss(sign * a, sign > 0.0)
+    good = np.flatnonzero(math.log(max_steps) + log_one + log_rest <= plan.log_tail + _SPLIT_THIN_LOG_SHARE)
+    return float(a[good[0]]) if good.size else math.inf
+
+
 def _split_scales(max_steps: int, q: float) -> tuple[int, int]:
     """(B, k) of :class:`_SplitPLD`: blocks of B steps, the coarse grid k times the fine one.
 
@@ -1003,10 +1125,13 @@ def _split_scales(max_steps: int, q: float) -> tuple[int, int]:
     return block, 2 ** round(math.log2(math.sqrt(block)) - 0.25)
 
 
-def _make_pld(relation: Relation, sigma: float, q: float, dx: float, plan: _Plan) -> "_FourierPLD | _SplitPLD":
-    """The split grids where one step's window spans many standard deviations of its loss (small q)."""
+def _make_pld(
+    relation: Relation, sigma: float, q: float, dx: float, plan: _Plan, eps_bound: float | None = None
+) -> "_FourierPLD | _SplitPLD":
+    """The split grids where one step's window spans many standard deviations of its loss (small q)
+    (``eps_bound``: see :class:`_SplitPLD`)."""
     if plan.max_steps > 1 and (plan.one_step.above + plan.one_step.below) > _SPLIT_MIN_STDS * plan.mgf.std:
-        return _SplitPLD(relation, sigma, q, dx, plan)
+        return _SplitPLD(relation, sigma, q, dx, plan, eps_bound)
     return _FourierPLD(relation, sigma, q, dx, plan)
 
 
@@ -1163,14 +1288,20 @@ def _cached_plan(relation: Relation, sigma: float, q: float, max_steps: int, del
 def _epsilon_level(
     relation: Relation, sigma: float, q: float, steps: tuple, target_delta: float, dx: float
 ) -> tuple[float, ...]:
-    """Epsilons on the grid of step ``dx``: upper bounds, not yet checked by refinement."""
-    pld = _make_pld(relation, sigma, q, dx, _cached_plan(relation, sigma, q, max(steps), target_delta))
-    return tuple(_pld_epsilon(pld, t, target_delta) for t in steps)
+    """Epsilons on the grid of step ``dx``: upper bounds, not yet checked by refinement (the same, up to
+    rounding, whether the split grids' tails are thinned for epsilons up to :data:`_EPS_BOUND` or not)."""
+    plan = _cached_plan(relation, sigma, q, max(steps), target_delta)
+    pld = _make_pld(relation, sigma, q, dx, plan, _EPS_BOUND.get())
+    values = tuple(_pld_epsilon(pld, t, target_delta) for t in steps)
+    if getattr(pld, "eps_bound", None) is not None and max(values) > pld.eps_bound:
+        pld = _make_pld(relation, sigma, q, dx, plan)  # (beyond the thinned grid's range)
+        values = tuple(_pld_epsilon(pld, t, target_delta) for t in steps)
+    return values
 
 
 def _clear_caches() -> None:
     """Forget cached plans, grid levels and sigmas (for tests that change the module's budgets)."""
-    for cached in (_cached_plan, _epsilon_level, _closed_form_sigma, _searched_sigma):
+    for cached in (_cached_plan, _epsilon_level, _closed_form_sigma, _searched_sigma, _rest_tails):
         cached.cache_clear()
 
 
@@ -1419,7 +1550,12 @@ def _searched_sigma(
     ladder_point = None  # the log sigma where the grids were chosen
 
     def level(sigma: float, plan: _Plan, shift: int) -> float:
-        return _epsilon_level(relation, sigma, q, (num_steps,), target_delta, _initial_dx(plan) / 2.0**shift)[0]
+        # (the split grids' tails may be thinned for epsilons up to 4 times the target: see _SplitPLD)
+        token = _EPS_BOUND.set(4.0 * target)
+        try:
+            return _epsilon_level(relation, sigma, q, (num_steps,), target_delta, _initial_dx(plan) / 2.0**shift)[0]
+        finally:
+            _EPS_BOUND.reset(token)
 
     def first_shift(plan: _Plan) -> int:
         """Up to _SEARCH_COARSER grids coarser than the initial one, at most _DX_COARSEST."""

@@ -401,6 +401,75 @@ def test_split_pld_dominates_and_keeps_mass(fresh_caches):
     assert q_mass == pytest.approx(1.0, abs=1e-6)
 
 
+# The search's split grids thin their far tails (fourier._SplitPLD with eps_bound): a coarser partition,
+# hence still an upper bound, placed where the rest of the run puts the composed loss beyond every
+# epsilon asked for but with a negligible probability.
+
+THINNED_CELLS = [(S, 0.5413, 1e-5, 1000, 1), (R, 0.3506, 1e-5, 10, 2), (R, 0.539, 1e-5, 1000, 1), (S, 0.3507, 1e-5, 10, 2)]
+
+
+@pytest.mark.parametrize("relation, sigma, q, num_steps, shift", THINNED_CELLS)
+def test_thinned_tails_dominate_and_agree(relation, sigma, q, num_steps, shift, fresh_caches):
+    plan = fourier._cached_plan(relation, sigma, q, num_steps, DELTA)
+    dx = fourier._initial_dx(plan) / 2.0**shift
+    full = fourier._make_pld(relation, sigma, q, dx, plan)
+    thinned = fourier._make_pld(relation, sigma, q, dx, plan, 0.04)
+    assert thinned.eps_bound == 0.04 and full.eps_bound is None
+    # fewer tail points (the circle is the same), the same P-mass in the tails
+    assert thinned.tail_spectrum.size == full.tail_spectrum.size
+    assert thinned.p_tail == pytest.approx(full.p_tail, rel=1e-12) and thinned.terms == full.terms
+    eps_full, eps_thinned = (fourier._pld_epsilon(pld, num_steps, DELTA) for pld in (full, thinned))
+    # A coarser partition of the same cells dominates (up to FFT rounding and the wrap bound, which
+    # follows the tails' Chernoff window: ~1e-12), and the thinned cells only hold loss that ends above
+    # every epsilon up to the bound but with a negligible probability.
+    assert eps_full * (1.0 - 1e-10) <= eps_thinned <= eps_full * (1.0 + 1e-8)
+    for eps in (0.5 * eps_full, eps_full, 0.03):
+        assert fourier._pld_delta(thinned, num_steps, eps) >= fourier._pld_delta(full, num_steps, eps) * (1.0 - 1e-9)
+
+
+def test_thinned_tails_fall_back_beyond_their_bound(monkeypatch, fresh_caches):
+    # An epsilon above the bound comes from the full grid (the thinned one is only tight below it).
+    relation, sigma, q, num_steps = R, 0.2, 1e-5, 10  # epsilon ~6.5
+    plan = fourier._cached_plan(relation, sigma, q, num_steps, DELTA)
+    dx = fourier._initial_dx(plan) / 2.0
+    full = fourier._epsilon_level(relation, sigma, q, (num_steps,), DELTA, dx)
+    fourier._clear_caches()
+    token = fourier._EPS_BOUND.set(0.04)
+    try:
+        assert fourier._make_pld(relation, sigma, q, dx, plan, 0.04).eps_bound == 0.04
+        assert fourier._epsilon_level(relation, sigma, q, (num_steps,), DELTA, dx) == full
+    finally:
+        fourier._EPS_BOUND.reset(token)
+
+
+def test_rest_tails_bound_the_sum_of_the_other_steps():
+    # _rest_tails' bound on P(Y < -y) (and P(Y > y)) for the sum Y of 3 steps, against the sum's exact
+    # distribution on a fine grid (one step's PLD with its loss rounded down (up), composed 3 times).
+    relation, sigma, q, num_steps = S, 0.4, 0.01, 4
+    jump = 0.05
+    log_two, lower, upper = fourier._rest_tails(relation, sigma, q, num_steps, jump)
+    dx = 1e-3
+    t = np.linspace(-12 * sigma, 1 + 12 * sigma, 400_001)
+    cells0, _, _ = fourier._gaussian_cells(0.0, sigma, t)
+    cells1, _, _ = fourier._gaussian_cells(1.0, sigma, t)
+    mass = (1 - q) * cells0 + q * cells1
+    loss = fourier._privacy_loss(relation, sigma, q, t)
+    for sign in (1.0, -1.0):
+        # sign L rounded down onto the grid: P(sign Y > y) of the rounded sum is at most the true one
+        idx = np.floor(sign * (loss[1:] if sign < 0 else loss[:-1]) / dx).astype(int)
+        lo = idx.min()
+        pmf = np.bincount(idx - lo, weights=mass)
+        composed = pmf
+        for _ in range(num_steps - 2):
+            composed = np.convolve(composed, pmf)
+        values = (np.arange(composed.size) + (num_steps - 1) * lo) * dx
+        for y in (0.1, 0.3, 0.6, 1.0):
+            exact = composed[values < -y].sum()
+            one = (num_steps - 1) * mass[(sign * loss[1:] if sign > 0 else sign * loss[:-1]) < -y / 2].sum()
+            chern = math.exp(float(np.min((lower if sign > 0 else upper) - fourier._THIN_LAMS * y / 2)))
+            assert exact <= (one + math.exp(log_two) + chern) * (1.0 + 1e-6) + 1e-15
+
+
 # Large split blocks (fourier._split_scales): all steps in one block where q T <= _SPLIT_BLOCK_QT, else
 # blocks of about _SPLIT_BLOCK_QT / q steps, so that few coarsenings onto the tails' grid are needed.
 
