@@ -394,6 +394,32 @@ class _LossMGF:
         peak = exponents.max(axis=1)
         return peak + np.log(np.sum(np.exp(exponents - peak[:, None]), axis=1))
 
+    def tail_bounds(self, num_steps: int, log_tail: float) -> tuple[float, float]:
+        """``(tail_bound(-1, ...), tail_bound(1, ...))``, both sides' lams in the same passes (the same values)."""
+        signs = np.array([[1.0], [-1.0]])
+
+        def bound(lams: np.ndarray) -> np.ndarray:  # rows: the lams of each side
+            signed = (signs * lams).ravel()
+            exponents = signed[:, None] * self._loss + self._log_p
+            peak = exponents.max(axis=1)
+            log_mgf = peak + np.log(np.sum(np.exp(exponents - peak[:, None]), axis=1))
+            return ((num_steps * log_mgf).reshape(lams.shape) - log_tail) / lams
+
+        lams = np.tile(1e-4 * (self.lam_max / 1e-4) ** (np.arange(16.0) / 15.0), (2, 1))
+        values = bound(lams)
+        best = np.argmin(values, axis=1)
+        best_lam, best_value = lams[[0, 1], best], values[[0, 1], best]
+        ratio = (self.lam_max / 1e-4) ** (1.0 / 15.0)
+        for _ in range(2):
+            lams = np.clip(best_lam[:, None] * ratio ** np.linspace(-1.0, 1.0, 10)[1:-1], 1e-4, self.lam_max)
+            values = bound(lams)
+            i = np.argmin(values, axis=1)
+            better = values[[0, 1], i] < best_value
+            best_lam = np.where(better, lams[[0, 1], i], best_lam)
+            best_value = np.where(better, values[[0, 1], i], best_value)
+            ratio **= 2.0 / 9.0
+        return float(best_value[1]), float(best_value[0])
+
     def tail_bound(self, sign: float, num_steps: int, log_tail: float) -> float:
         """w with P(sign * (sum of num_steps losses) > w) <= exp(log_tail) (Chernoff)."""
         bound = lambda lam: (num_steps * self.log_mgf(sign, lam) - log_tail) / lam
@@ -427,7 +453,7 @@ def _plan(relation: Relation, sigma: float, q: float, max_steps: int, delta_scal
     log_tail = math.log(_WRAP_FRACTION * delta_scale / 2.0)
     one_step = _one_step_window(relation, sigma, q, math.exp(log_tail) / max_steps)
     mgf = _LossMGF(relation, sigma, q)
-    chernoff = _Window(mgf.tail_bound(-1.0, max_steps, log_tail), mgf.tail_bound(1.0, max_steps, log_tail))
+    chernoff = _Window(*mgf.tail_bounds(max_steps, log_tail))
     # The composed loss lies within T times one step's window; Chernoff is tighter for large T.
     composed = _Window(*(min(max_steps * a, max(c, a)) for a, c in zip(one_step, chernoff)))
     return _Plan(one_step, composed, mgf, max_steps, log_tail)
@@ -1030,7 +1056,7 @@ def _tail_indices(first: int, last: int, thin_from: float, step: int) -> np.ndar
     return out if out[-1] == last else np.append(out, last)
 
 
-_THIN_LAMS = np.geomspace(1e-2, 1e6, 33)  # lams of the Chernoff bounds of _rest_tails
+_THIN_LAMS = np.geomspace(1e-2, 1e6, 25)  # lams of the Chernoff bounds of _rest_tails
 
 
 @functools.lru_cache(maxsize=64)
@@ -1051,7 +1077,7 @@ def _rest_tails(relation: Relation, sigma: float, q: float, max_steps: int, jump
     t_hi = float(_inverse_loss(relation, sigma, q, np.array(jump)))
     if not math.isfinite(t_lo):
         t_lo = -40.0 * sigma
-    t = np.linspace(t_lo, t_hi, 1025)
+    t = np.linspace(t_lo, t_hi, 257)
     cells0, below0, above0 = _gaussian_cells(0.0, sigma, t)
     cells1, below1, above1 = _gaussian_cells(1.0, sigma, t)
     p_jump = (1.0 - q) * (below0 + above0) + q * (below1 + above1)

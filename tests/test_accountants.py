@@ -729,6 +729,8 @@ def test_loss_mgf_tail_bound_is_near_the_best_lam(relation, sigma, q):
             best = float(np.min((num_steps * mgf.log_mgf(sign, dense) - log_tail) / dense))
             bound = mgf.tail_bound(sign, num_steps, log_tail)
             assert best - 1e-4 * abs(best) <= bound <= best + 0.02 * abs(best) + 1e-12
+        # both sides at once (the plan's): the same values
+        assert mgf.tail_bounds(num_steps, log_tail) == (mgf.tail_bound(-1.0, num_steps, log_tail), mgf.tail_bound(1.0, num_steps, log_tail))
 
 
 def test_spectrum_powers_by_squaring():
