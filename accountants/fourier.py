@@ -114,7 +114,7 @@ _SPLIT_FINE_LEVELS = 3  # the bulk's grid step is at least the initial step halv
 _SPLIT_BLOCK_QT = 0.15  # blocks of at least this many expected participations, over q (all steps if fewer)
 _SPLIT_THIN_MIN = 8192  # the search's tails are thinned where one step's window spans more coarse points than this
 _SPLIT_THIN_POINTS = 512  # and the thinned parts get a grid step of about this fraction of the window
-_SPLIT_THIN_LOG_SHARE = math.log(1e-3)  # the rest of the run reaches past the thinning but with this share of the wrap budget, per step
+_SPLIT_THIN_LOG_SHARE = math.log(1e-3)  # and the runs that reach past the thinning: this share of the wrap budget
 # dp-accounting fallback.
 _DPA_RTOL = 2e-3
 _MAX_DPA_WINDOW = 1e4  # dp-accounting's grid spans the privacy loss, at 1e-2 (or finer) per point
@@ -875,17 +875,20 @@ class _SplitPLD:
     composed on the coarse grid as in :class:`_FourierPLD`.
 
     With ``eps_bound`` (epsilons up to it only, :data:`_EPS_BOUND`), the far tails are connected on a
-    coarser partition (every ``n / 512``-th of the window's ``n`` coarse points) (any partition dominates: still an upper
-    bound), where the sum of the other steps' losses takes a loss from there to ``eps_bound`` or below
-    (upper tail), or to above 0 (lower tail), only in runs of probability below
-    ``exp(_SPLIT_THIN_LOG_SHARE)`` times the wrap budget (:func:`_thin_from`, with the discretisation's
-    shifts as a margin). In all other runs the composed mass from those cells lies wholly above (below)
-    every epsilon asked for, where delta depends only on its P- and Q-masses, which connecting the dots
-    keeps: the epsilons are those of the full partition up to ~1e-10. ``eps_bound`` is kept as an
-    attribute where that happened (else None): an epsilon above it must come from a grid without it.
+    coarser partition, every ``n / 512``-th of the window's ``n`` coarse points (any partition
+    dominates: still an upper bound), where the sum of the other steps' losses takes a loss from there
+    to ``eps_bound`` or below (upper tail), or to above 0 (lower tail), only in runs of probability
+    below ``exp(_SPLIT_THIN_LOG_SHARE)`` times the wrap budget (:func:`_thin_from`, with the
+    discretisation's shifts as a margin). In all other runs the composed mass from those cells lies
+    wholly above (below) every epsilon asked for, where delta depends only on its P- and Q-masses,
+    which connecting the dots keeps: the epsilons are those of the full partition up to ~1e-10.
+    ``eps_bound`` is kept as an attribute where that happened (else None): an epsilon above it must
+    come from a grid without it.
     """
 
-    def __init__(self, relation: Relation, sigma: float, q: float, dx: float, plan: _Plan, eps_bound: float | None = None):
+    def __init__(
+        self, relation: Relation, sigma: float, q: float, dx: float, plan: _Plan, eps_bound: float | None = None
+    ):
         max_steps = plan.max_steps
         self.block, k = _split_scales(max_steps, q)
         # k is set on the first grid of the refinement, so that halving dx halves h as well. Small
@@ -916,8 +919,13 @@ class _SplitPLD:
             # tails and per coarsened block; and the thinned cell itself by its width)
             thin_step = max(1, (g_hi - g_lo) // _SPLIT_THIN_POINTS)
             margin = (max_steps - 1) * dx + (max_blocks + 2) * self.h + (thin_step + 1) * self.h
-            up = _thin_from(relation, sigma, q, plan, plan.one_step.above, eps_bound + margin, 1.0)
-            low = _thin_from(relation, sigma, q, plan, plan.one_step.below, margin, -1.0)
+            # (a side without tail cells beyond the bulk's first half-width has nothing to thin)
+            reach = _SPLIT_BULK_STDS * plan.mgf.std + (thin_step + 1) * self.h
+            up = low = math.inf
+            if plan.one_step.above > reach:
+                up = _thin_from(relation, sigma, q, plan, plan.one_step.above, eps_bound + margin, 1.0)
+            if plan.one_step.below > reach:
+                low = _thin_from(relation, sigma, q, plan, plan.one_step.below, margin, -1.0)
             thin_up, thin_low = (math.ceil(v / self.h) if math.isfinite(v) else math.inf for v in (up, low))
             if thin_up < g_hi - thin_step or thin_low < -g_lo - thin_step:
                 self.eps_bound = eps_bound
@@ -1099,7 +1107,9 @@ def _rest_tails(relation: Relation, sigma: float, q: float, max_steps: int, jump
     return log_two, lower, upper
 
 
-def _thin_from(relation: Relation, sigma: float, q: float, plan: _Plan, reach: float, shift: float, sign: float) -> float:
+def _thin_from(
+    relation: Relation, sigma: float, q: float, plan: _Plan, reach: float, shift: float, sign: float
+) -> float:
     """The least ``a`` of 256 in ``(0, reach]`` with ``T P(sign L >= a) P(sign Y < shift - a) <= exp(log_tail +
     _SPLIT_THIN_LOG_SHARE)`` (``L``: one step's loss, ``Y``: the other steps' sum, :func:`_rest_tails`;
     ``T = plan.max_steps``); inf where none. Upper tail (``sign = 1``, ``shift`` = the largest epsilon plus
@@ -1120,7 +1130,8 @@ def _thin_from(relation: Relation, sigma: float, q: float, plan: _Plan, reach: f
         s = -1.0 if upper_tail else 1.0
         with np.errstate(divide="ignore"):
             return np.logaddexp(
-                math.log1p(-q) + scipy.special.log_ndtr(s * t / sigma), math.log(q) + scipy.special.log_ndtr(s * (t - 1.0) / sigma)
+                math.log1p(-q) + scipy.special.log_ndtr(s * t / sigma),
+                math.log(q) + scipy.special.log_ndtr(s * (t - 1.0) / sigma),
             )
 
     chernoff = ((lower if sign > 0.0 else upper)[:, None] - _THIN_LAMS[:, None] * (0.5 * y)).min(axis=0)

@@ -405,7 +405,12 @@ def test_split_pld_dominates_and_keeps_mass(fresh_caches):
 # hence still an upper bound, placed where the rest of the run puts the composed loss beyond every
 # epsilon asked for but with a negligible probability.
 
-THINNED_CELLS = [(S, 0.5413, 1e-5, 1000, 1), (R, 0.3506, 1e-5, 10, 2), (R, 0.539, 1e-5, 1000, 1), (S, 0.3507, 1e-5, 10, 2)]
+THINNED_CELLS = [
+    (S, 0.5413, 1e-5, 1000, 1),
+    (R, 0.3506, 1e-5, 10, 2),
+    (R, 0.539, 1e-5, 1000, 1),
+    (S, 0.3507, 1e-5, 10, 2),
+]
 
 
 @pytest.mark.parametrize("relation, sigma, q, num_steps, shift", THINNED_CELLS)
@@ -730,7 +735,8 @@ def test_loss_mgf_tail_bound_is_near_the_best_lam(relation, sigma, q):
             bound = mgf.tail_bound(sign, num_steps, log_tail)
             assert best - 1e-4 * abs(best) <= bound <= best + 0.02 * abs(best) + 1e-12
         # both sides at once (the plan's): the same values
-        assert mgf.tail_bounds(num_steps, log_tail) == (mgf.tail_bound(-1.0, num_steps, log_tail), mgf.tail_bound(1.0, num_steps, log_tail))
+        sides = (mgf.tail_bound(-1.0, num_steps, log_tail), mgf.tail_bound(1.0, num_steps, log_tail))
+        assert mgf.tail_bounds(num_steps, log_tail) == sides
 
 
 def test_spectrum_powers_by_squaring():
