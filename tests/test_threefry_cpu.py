@@ -52,6 +52,7 @@ draws = {
     "fold_in": jax.random.key_data(jax.random.fold_in(k, 12345)),
     "vmapped": jax.vmap(lambda key: jax.random.normal(key, (5, 6)))(keys),
     "jitted": jax.jit(lambda key: jax.random.randint(key, (3, 5, 7), 0, 100))(k),
+    "large": jax.random.bits(k, (t.FLAT_MAX_SIZE // 64 + 1, 8, 8)),  # above the flat size: JAX's lowering
 }
 out = {name: hashlib.sha1(np.asarray(v).tobytes()).hexdigest() for name, v in draws.items()}
 print(json.dumps({"installed": t.installed(), "draws": out}))
@@ -80,3 +81,7 @@ def test_the_hash_loop_runs_over_one_flat_axis():
     loops = [line for line in text.splitlines() if "stablehlo.while" in line]
     assert loops and all("tensor<24xui32>" in line for line in loops)
     assert not any(re.search(r"tensor<2x3x4xui32>", line) for line in loops)
+    # above FLAT_MAX_SIZE, JAX's own loop over the array's shape
+    n = _threefry_cpu.FLAT_MAX_SIZE // 64 + 1
+    text = jax.jit(lambda k: jax.random.bits(k, (n, 8, 8))).lower(jax.random.key(0)).as_text()
+    assert any(f"tensor<{n}x8x8xui32>" in line for line in text.splitlines() if "stablehlo.while" in line)
