@@ -373,7 +373,7 @@ class _LossMGF:
     Gaussian-tailed integrands. One step's loss has Gaussian tails of std ``1/sigma``, so the lam
     that matter are below ~8 sigma; as ``0 <= l'(t) <= 2 / sigma^2``, tilting by lam moves the mass
     of t by at most 2 lam, which the t-grid covers. The log-MGF is evaluated only at the lams that a
-    Chernoff bound asks for (:meth:`tail_bound`: a coarse sweep, then a finer one around its best lam),
+    Chernoff bound asks for (:meth:`tail_bounds`: a coarse sweep, then a finer one around its best lam),
     which keeps a plan cheap at small sigma, where the t-grid is long.
     """
 
@@ -395,7 +395,9 @@ class _LossMGF:
         return peak + np.log(np.sum(np.exp(exponents - peak[:, None]), axis=1))
 
     def tail_bounds(self, num_steps: int, log_tail: float) -> tuple[float, float]:
-        """``(tail_bound(-1, ...), tail_bound(1, ...))``, both sides' lams in the same passes (the same values)."""
+        """``(below, above)``: ``P(-S > below)`` and ``P(S > above)`` are at most ``exp(log_tail)`` for the sum
+        ``S`` of ``num_steps`` losses (Chernoff; each side's lam from 16 log-spaced lams, then twice 8
+        between the best one's neighbours; both sides in the same passes)."""
         signs = np.array([[1.0], [-1.0]])
 
         def bound(lams: np.ndarray) -> np.ndarray:  # rows: the lams of each side
@@ -419,23 +421,6 @@ class _LossMGF:
             best_value = np.where(better, values[[0, 1], i], best_value)
             ratio **= 2.0 / 9.0
         return float(best_value[1]), float(best_value[0])
-
-    def tail_bound(self, sign: float, num_steps: int, log_tail: float) -> float:
-        """w with P(sign * (sum of num_steps losses) > w) <= exp(log_tail) (Chernoff)."""
-        bound = lambda lam: (num_steps * self.log_mgf(sign, lam) - log_tail) / lam
-        lams = 1e-4 * (self.lam_max / 1e-4) ** (np.arange(16.0) / 15.0)
-        values = bound(lams)
-        best = int(np.argmin(values))
-        best_lam, best_value = float(lams[best]), float(values[best])
-        ratio = (self.lam_max / 1e-4) ** (1.0 / 15.0)
-        for _ in range(2):  # twice: 8 lams between the neighbours of the best one so far
-            lams = np.clip(best_lam * ratio ** np.linspace(-1.0, 1.0, 10)[1:-1], 1e-4, self.lam_max)
-            values = bound(lams)
-            i = int(np.argmin(values))
-            if values[i] < best_value:
-                best_lam, best_value = float(lams[i]), float(values[i])
-            ratio **= 2.0 / 9.0
-        return best_value
 
 
 class _Plan(NamedTuple):
