@@ -128,6 +128,18 @@ def four_devices() -> dict:
                 out[f"misplaced {name}"] = "accepted"
             except ValueError as e:
                 out[f"misplaced {name}"] = str(e)
+        # the state as init returns it with a mesh (replicated over it) has the types of the state the
+        # step returns: the second step compiles nothing
+        st, _ = four.update(four._on_mesh(state), *shard(x, y))
+        step_compiles, counting = [], [True]
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda event, seconds, **kw: counting[0] and event.endswith("backend_compile_duration")
+            and step_compiles.append(event))
+        for _ in range(2):
+            st, _ = four.update(st, *shard(x, y))
+        jax.block_until_ready(st)
+        counting[0] = False
+        out["compiled again"] = len(step_compiles)
         for clipping in ("materialize", "ghost"):
             one.clipping = four.clipping = clipping
             f1 = jax.jit(lambda p, a: one._private_grad(p, jax.random.key(7), a, {}, True))
@@ -150,6 +162,10 @@ def four_devices() -> dict:
                 out[f"{clipping} flops {d}"] = compiled.cost_analysis()["flops"]
                 out[f"{clipping} comm {d}"] = communication(compiled.as_text())
     """) + textwrap.dedent(MISPLACED) + "out['refused'] = refused\nprint(json.dumps(out))\n")
+
+
+def test_a_mesh_state_compiles_the_step_once(four_devices):
+    assert four_devices["compiled again"] == 0
 
 
 @pytest.mark.parametrize("clipping", ["materialize", "ghost"])

@@ -406,6 +406,7 @@ class DPSVI(SVI):
         self._chunks = {}
         self._isolation_checks = {}
         self._inits = {}
+        self._replicate = None  # with a mesh: the compiled identity that replicates a state over it
         self._op_by_op_init = False  # set for good once tracing init changed the model or guide
         self._known_steps: dict[int, int] = {}  # id(state.num_steps) -> its value, known on the host
 
@@ -776,7 +777,18 @@ class DPSVI(SVI):
         self._check_record_isolation(unconstrained, init_key, args, kwargs)
         # device_put, not jnp.zeros: an eager jnp call compiles a program in every new process
         zero = lambda: jax.device_put(np.zeros((), np.int32))  # noqa: E731
-        return DPSVIState(state.optim_state, state.mutable_state, state.rng_key, zero(), zero())
+        return self._on_mesh(DPSVIState(state.optim_state, state.mutable_state, state.rng_key, zero(), zero()))
+
+    def _on_mesh(self, state: DPSVIState) -> DPSVIState:
+        """With a mesh, the state replicated over it, as the compiled step returns it: a state placed
+        otherwise has other input types, and the second step (or chunk of ``run``) compiled again."""
+        if self.mesh is None:
+            return state
+        if self._replicate is None:
+            # a compiled identity, not device_put: across processes the mesh has devices this one cannot address
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            self._replicate = jax.jit(lambda s: s, out_shardings=replicated)
+        return self._replicate(state)
 
     def _init_traces(self, rng_key, args, kwargs, init_params):
         """NumPyro's init, then the traces of guide and model that show the structure.
@@ -1071,7 +1083,7 @@ class DPSVI(SVI):
         else:
             self._check_ready()
             self._check_placement(args, kwargs)
-            state = init_state
+            state = self._on_mesh(init_state)
         done = int(state.num_steps)
         self._check_plan(state, num_steps)
         mask = self._batch_mask(kwargs)
