@@ -177,7 +177,10 @@ def private_posterior(
     :param sections: covariance of the truncation sections for truncated statistics:
         ``"joint"`` (multinomial, default) or ``"independent"`` (as printed in the paper).
     :param nuts_kwargs: arguments of the NUTS blocks for non-conjugate parameters.
-    :return: ``MCMC``; call ``.run(rng_key, *model_args)``.
+    :return: ``MCMC``; call ``.run(rng_key, *model_args)``. Its sampler is compiled on the first
+        ``run`` and kept for later runs of the same object; the release values are constants of the
+        compiled program, so a new call for another release compiles again. For many releases use
+        :func:`sample_releases` (one compiled sampler for all of them).
 
     **Example**
 
