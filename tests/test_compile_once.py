@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+import pytest
 from numpyro.infer import Trace_ELBO
 
 from d3pext import DPSVI
@@ -177,6 +178,29 @@ def test_init_falls_back_op_by_op_for_stateful_guides_and_traced_constraints():
                 dp_scale=1.0)
     result = svi.run(jax.random.key(6), 10, X, upper=jnp.float32(3.0), batch_size=50, progress_bar=False)
     assert not svi._inits and 0.0 < float(result.params["loc"]) < 3.0
+
+
+def test_a_model_dpsvi_cannot_fit_is_refused_before_anything_compiles():
+    # the structure comes from the traced init: no op-by-op init of an AutoGuide (seconds of small
+    # programs) and no compiled init before the error
+    from numpyro.infer.autoguide import AutoDiagonalNormal
+
+    def no_plate(x, batch_size=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        numpyro.sample("x", dist.Normal(mu, 1.0).expand([x.shape[0]]).to_event(1), obs=x)
+
+    def mutable(x, batch_size=None):
+        numpyro.primitives.mutable("count", jnp.zeros(()))
+        model(x, batch_size)
+
+    key = jax.random.key(0)
+    for bad, message in ((no_plate, "no data plate"), (mutable, "mutable state")):
+        for make_guide in (AutoDiagonalNormal, lambda m: guide):
+            svi = DPSVI(bad, make_guide(bad), numpyro.optim.Adam(0.05), Trace_ELBO(), clipping_threshold=2.0,
+                        dp_scale=1.0)
+            with compilations() as compiled, pytest.raises(ValueError, match=message):
+                svi.init(key, X, batch_size=50)
+            assert compiled == [], (bad.__name__, len(compiled))
 
 
 # ------------------------------------------------------------------ the same programs in every process

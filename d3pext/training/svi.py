@@ -811,6 +811,19 @@ class DPSVI(SVI):
         model_trace = trace(seed(model, init_key)).get_trace(*args, **kw)
         return state, init_key, model_trace, guide_trace
 
+    def _refuse_structure_early(self, traces, args) -> None:
+        """Raise the structure error of the traced init's model and guide, if there is one, before
+        anything is compiled: the op-by-op init of an AutoGuide (seconds of small compilations) or the
+        compiled init would reach the same error only after that."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the structure's warnings come once, after the init
+            try:
+                self._find_structure(*traces, args)
+            except (ValueError, NotImplementedError):
+                raise
+            except Exception:  # needs concrete values: the op-by-op init decides
+                pass
+
     def _eager_init(self, rng_key, args, kwargs, init_params):
         try:
             return self._init_traces(rng_key, args, kwargs, init_params)
@@ -851,9 +864,9 @@ class DPSVI(SVI):
             owners = [f for f in (self.model, self.guide) if hasattr(f, "__dict__")]
             before = [dict(vars(f)) for f in owners]
             try:
-                executable = jax.jit(init).trace(*inputs).lower().compile()
+                traced = jax.jit(init).trace(*inputs)
             except Exception:  # the op-by-op init runs the model as NumPyro does, and explains its errors
-                executable = None
+                traced = None
             changed = False
             for f, saved in zip(owners, before):
                 now = vars(f)
@@ -863,10 +876,15 @@ class DPSVI(SVI):
                     now.update(saved)
             if changed:
                 self._op_by_op_init = True
-            if executable is None or changed:
+            if traced is None:
                 return None
+            self._refuse_structure_early(found["traces"], args)
             transforms = found["constrain_fn"].args[0]
-            if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(transforms)):
+            if changed or any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(transforms)):
+                return None  # decided on the trace: nothing is compiled only to be thrown away
+            try:
+                executable = traced.lower().compile()
+            except Exception:
                 return None
             self._inits[signature] = executable, found["constrain_fn"], found["traces"]
         executable, self.constrain_fn, traces = self._inits[signature]
