@@ -245,9 +245,17 @@ def test_four_devices_give_the_fit_of_one():
         fits = []
         for kw, data in (({}, (x, y)), ({"mesh": mesh}, shard(x, y)),
                          ({"mesh": Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))}, (x, y))):
-            r = new_svi(clipping="ghost", **kw).run(jax.random.key(1), 15, *data, progress_bar=False)
+            svi = new_svi(clipping="ghost", **kw)
+            r = svi.run(jax.random.key(1), 15, *data, progress_bar=False)
             fits.append(r.params)
         out["plate"] = [max_diff(fits[0], f) for f in fits[1:]]
+        # with a mesh, a run of two chunks from the state of the last one compiles nothing
+        compiles = []
+        count = lambda event, seconds, **kw: event.endswith("backend_compile_duration") and compiles.append(event)
+        jax.monitoring.register_event_duration_secs_listener(count)
+        svi.run(jax.random.key(2), 200, x, y, init_state=r.state, progress_bar=False)
+        jax.monitoring.unregister_event_duration_listener(count)
+        out["compiled again"] = len(compiles)
 
         def batch_model(x, y):
             b = numpyro.sample("b", dist.Normal(0.0, 1.0))
@@ -276,5 +284,6 @@ def test_four_devices_give_the_fit_of_one():
         print(json.dumps(out))
     """)
     assert max(out["plate"]) < 1e-4, out
+    assert out["compiled again"] == 0, out
     assert out["batch"] < 1e-4, out
     assert out["vae"][0] < 1e-5 and out["vae"][1] < 1e-4, out

@@ -784,9 +784,14 @@ class DPSVI(SVI):
         otherwise has other input types, and the second step (or chunk of ``run``) compiled again."""
         if self.mesh is None:
             return state
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        if all(
+            isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(replicated, leaf.ndim)
+            for leaf in jax.tree.leaves(state)
+        ):
+            return state  # e.g. the state of an earlier run
         if self._replicate is None:
             # a compiled identity, not device_put: across processes the mesh has devices this one cannot address
-            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             self._replicate = jax.jit(lambda s: s, out_shardings=replicated)
         return self._replicate(state)
 
