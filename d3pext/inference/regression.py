@@ -562,8 +562,10 @@ def _fail_if_exhausted(exhausted: jax.Array, update: str, max_tries: int) -> jax
             raise RuntimeError(
                 f"Constrained regression: the {update} found no feasible draw in {max_tries} "
                 f"proposals for chain(s) {bad.tolist()} (index over the vectorised chains; over "
-                "releases x chains in sample_releases). The release is probably far from every "
-                "feasible statistic (seed 001, footnote 6). Raise max_tries "
+                "releases x chains in sample_releases). Either the release is far from every "
+                "feasible statistic (seed 001, footnote 6), or the chain reached a state where feasible "
+                "proposals are rare (this happens for a small share of the releases of real records). "
+                "Run again with another key (post-processing of the release: no privacy cost), raise max_tries "
                 "(private_constrained_regression(..., max_tries=...)), check the bounds and the "
                 "release, or use constrained=False."
             )
