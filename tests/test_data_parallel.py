@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -27,7 +28,8 @@ from numpyro.infer.autoguide import AutoNormal
 
 from d3pext import DPSVI
 
-HEADER = """
+# the subprocesses count compilations with the helper the in-process tests use
+HEADER = Path(__file__).with_name("compilations.py").read_text(encoding="utf-8") + """
 import copy, json
 import jax, jax.numpy as jnp, numpy as np
 import numpyro, numpyro.distributions as dist
@@ -131,13 +133,10 @@ def four_devices() -> dict:
         # the state as init returns it with a mesh (replicated over it) has the types of the state the
         # step returns: the second step compiles nothing
         st, _ = four.update(four._on_mesh(state), *shard(x, y))
-        step_compiles = []
-        count = lambda event, seconds, **kw: event.endswith("backend_compile_duration") and step_compiles.append(event)
-        jax.monitoring.register_event_duration_secs_listener(count)
-        for _ in range(2):
-            st, _ = four.update(st, *shard(x, y))
-        jax.block_until_ready(st)
-        jax.monitoring.unregister_event_duration_listener(count)
+        with count_compilations() as step_compiles:
+            for _ in range(2):
+                st, _ = four.update(st, *shard(x, y))
+            jax.block_until_ready(st)
         out["compiled again"] = len(step_compiles)
         for clipping in ("materialize", "ghost"):
             one.clipping = four.clipping = clipping
@@ -250,11 +249,8 @@ def test_four_devices_give_the_fit_of_one():
             fits.append(r.params)
         out["plate"] = [max_diff(fits[0], f) for f in fits[1:]]
         # with a mesh, a run of two chunks from the state of the last one compiles nothing
-        compiles = []
-        count = lambda event, seconds, **kw: event.endswith("backend_compile_duration") and compiles.append(event)
-        jax.monitoring.register_event_duration_secs_listener(count)
-        svi.run(jax.random.key(2), 200, x, y, init_state=r.state, progress_bar=False)
-        jax.monitoring.unregister_event_duration_listener(count)
+        with count_compilations() as compiles:
+            svi.run(jax.random.key(2), 200, x, y, init_state=r.state, progress_bar=False)
         out["compiled again"] = len(compiles)
 
         def batch_model(x, y):
