@@ -49,6 +49,7 @@ from d3pext.handlers.privatize import privatize
 from d3pext.releases.mechanisms import LaplaceMechanism
 from d3pext.validation import check_bounds
 from d3pext.inference.regression import (
+    DEFAULT_MAX_STALLS,
     DEFAULT_MAX_TRIES,
     RegressionNIG,
     RegressionRecords,
@@ -88,12 +89,13 @@ def constrained_regression_model(
     prior: RegressionNIG = RegressionNIG(),
     constrained: bool = True,
     max_tries: int = DEFAULT_MAX_TRIES,
+    max_stalls: int = DEFAULT_MAX_STALLS,
 ) -> None:
     """``(beta0, beta1, sigma2) ~ prior`` (mapped from the unit scale; restricted to the feasible
     region if ``constrained``), ``records = (x, y)`` for ``n`` records."""
     n = check_num_records(n)
     beta0, beta1, sigma2 = regression_prior(
-        prior, bounds_x, bounds_y, constrained, max_tries=max_tries
+        prior, bounds_x, bounds_y, constrained, max_tries=max_tries, max_stalls=max_stalls
     )
     with numpyro.plate("data", n):
         numpyro.sample(
@@ -110,6 +112,7 @@ def private_constrained_regression(
     constrained: bool = True,
     x_moment_share: float = 5 / 11,
     max_tries: int = DEFAULT_MAX_TRIES,
+    max_stalls: int = DEFAULT_MAX_STALLS,
 ):
     """The privatized regression model; call it as ``model(records=None)``.
 
@@ -120,7 +123,10 @@ def private_constrained_regression(
     :param prior: :class:`~d3pext.inference.regression.RegressionNIG` on the unit scale.
     :param constrained: restrict statistics and parameters to the feasible region.
     :param x_moment_share: share of ``epsilon`` spent on the covariate's power sums.
-    :param max_tries: cap on the proposals of each rejection step (then the run fails).
+    :param max_tries: cap on the proposals of each rejection step; a step that finds no
+        feasible draw keeps the previous value (still an exact update).
+    :param max_stalls: the run fails when a chain's step keeps its value this many sweeps in a
+        row (the chain is stuck: most likely a release far from every feasible statistic).
 
     >>> model = private_constrained_regression(46, 1.1, (0, 100), (0, 150))
     >>> private_constrained_regression(2, 1.1, (0, 100), (0, 150))
@@ -143,7 +149,7 @@ def private_constrained_regression(
         raise TypeError(f"prior must be a RegressionNIG, got {type(prior).__name__}.")
     model = partial(
         constrained_regression_model, n, bounds_x=bounds_x, bounds_y=bounds_y, prior=prior,
-        constrained=constrained, max_tries=max_tries,
+        constrained=constrained, max_tries=max_tries, max_stalls=max_stalls,
     )
     model = privatize(
         model, site="records",

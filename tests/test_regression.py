@@ -1,6 +1,7 @@
 """Bernstein & Sheldon regression from noisy sufficient statistics with Kazan & Reiter's constraints
 (d3pext.inference.regression): each conditional against its exact law (independent NumPy/SciPy references),
-the large-epsilon limit, constrained vs unconstrained, the exhausted-rejection error, bad input."""
+the lazy step after an empty rejection loop, the large-epsilon limit, constrained vs unconstrained, the
+stuck-chain error, bad input."""
 
 import math
 
@@ -154,11 +155,11 @@ def _conditional_draws(num):
         k1, k2, k3, k4, k5, kw = jax.random.split(key, 6)
         w = uniform_pairs(kw, (20,), jnp.float64)
         args = (jnp.asarray(z), jnp.asarray(D_S), jnp.asarray(THETA_S), S2_S, jnp.asarray(M_S), N_S)
-        s_unc = R._statistic_update(w[:, :5], k1, jnp.asarray(z), *args, False, 100)
-        s_con = R._statistic_update(w[:, 5:10], k2, jnp.asarray(z), *args, True, 1000)
-        p_unc = R._parameter_update(w[:, 10:13], k3, jnp.asarray(S_P), 5, PRIOR_A, False, 100)
-        p_a = R._parameter_update(w[:, 13:16], k4, jnp.asarray(S_P), 5, PRIOR_A, True, 1000)
-        p_b = R._parameter_update(w[:, 16:19], k5, jnp.asarray(S_P), 5, PRIOR_B, True, 1000)
+        s_unc, _ = R._statistic_update(w[:, :5], k1, jnp.asarray(z), *args, False, 100)
+        s_con, _ = R._statistic_update(w[:, 5:10], k2, jnp.asarray(z), *args, True, 1000)
+        p_unc = R._parameter_update(w[:, 10:13], k3, jnp.asarray(S_P), 5, PRIOR_A, False, 100)[:2]
+        p_a = R._parameter_update(w[:, 13:16], k4, jnp.asarray(S_P), 5, PRIOR_A, True, 1000)[:2]
+        p_b = R._parameter_update(w[:, 16:19], k5, jnp.asarray(S_P), 5, PRIOR_B, True, 1000)[:2]
         return s_unc, s_con, p_unc, p_a, p_b
 
     return jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), num))
@@ -224,6 +225,56 @@ def test_conditionals_match_exact_laws_slow(x64):
     _check_conditionals(200_000, 2_000_000)
 
 
+def test_an_empty_rejection_keeps_the_previous_value(x64):
+    # one proposal per update: many updates find nothing feasible and must return the previous
+    # value exactly (the lazy step of the module doc), the others a feasible draw
+    z, _, _ = _s_setting()
+    s_old = jnp.asarray(R.project_statistics(jnp.asarray(z), N_S, True))
+    theta_old, s2_old = jnp.array([0.3, 0.1]), 0.05
+
+    def one(key):
+        k1, k2, kw = jax.random.split(key, 3)
+        w = uniform_pairs(kw, (8,), jnp.float64)
+        args = (jnp.asarray(z), jnp.asarray(D_S), jnp.asarray(THETA_S), S2_S, jnp.asarray(M_S), N_S)
+        s, s_ok = R._statistic_update(w[:, :5], k1, s_old, *args, True, 1)
+        theta, s2, p_ok = R._parameter_update(
+            w[:, 5:8], k2, jnp.asarray(S_P), 5, PRIOR_B, True, 1, (theta_old, s2_old)
+        )
+        return s, s_ok, theta, s2, p_ok
+
+    s, s_ok, theta, s2, p_ok = map(np.asarray, jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(1), 4000)))
+    assert 0.05 < s_ok.mean() < 0.95 and 0.05 < p_ok.mean() < 0.95, (s_ok.mean(), p_ok.mean())
+    assert np.array_equal(s[~s_ok], np.broadcast_to(s_old, s[~s_ok].shape))
+    assert not np.any(np.all(s[s_ok] == np.asarray(s_old), -1))
+    assert bool(np.all(np.asarray(R.feasible_statistics(jnp.asarray(s), N_S))))
+    assert np.array_equal(theta[~p_ok], np.broadcast_to(theta_old, theta[~p_ok].shape))
+    assert np.all(s2[~p_ok] == s2_old) and np.all(s2[p_ok] != s2_old) and np.all(s2 <= 0.25)
+    assert bool(np.all(np.asarray(R.feasible_coefficients(theta[:, 0], theta[:, 1]))))
+
+
+@pytest.mark.slow
+def test_one_proposal_per_update_gives_the_same_posterior(x64):
+    # max_tries = 1 keeps the previous statistic in about a third of the sweeps; the posterior
+    # must be that of the (practically never exhausted) default
+    rng = np.random.default_rng(6)
+    n, bx, by = 10, (0.0, 10.0), (-1.0, 5.0)
+    x = rng.uniform(*bx, n)
+    records = jnp.asarray(np.column_stack([x, np.clip(1.0 + 0.3 * x + 0.5 * rng.standard_normal(n), *by)]))
+    prior = R.RegressionNIG(mu0=(0.5, 0.0), Lambda0=((0.5, 0.0), (0.0, 0.5)), a0=2.0, b0=0.1)
+    out = {}
+    for max_tries in (1, R.DEFAULT_MAX_TRIES):
+        model = private_constrained_regression(n, 1.0, bx, by, prior, max_tries=max_tries, max_stalls=10**6)
+        release = {k: v[None] for k, v in make_release(model, records=records, rng_key=7).items()}
+        out[max_tries] = sample_releases(model, release, jax.random.key(8), num_warmup=500, num_samples=2000, num_chains=16)
+    stats = np.asarray(out[1]["records_dp_stat"][0])
+    assert np.all(stats[:, 1:] == stats[:, :-1], -1).mean() > 0.2  # the lazy step is exercised
+    for site in ("beta0", "beta1", "sigma2", "records_dp_stat"):
+        lazy, full = (np.asarray(out[k][site][0]).reshape(16, 2000, -1) for k in (1, R.DEFAULT_MAX_TRIES))
+        for j in range(lazy.shape[-1]):
+            se = math.sqrt(sum(d[..., j].var() / float(effective_sample_size(d[..., j])) for d in (lazy, full)))
+            assert abs(lazy[..., j].mean() - full[..., j].mean()) < 4 * se, (site, j)
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole sampler: large-epsilon limit and the exhausted-rejection error (one compiled sampler)
 
@@ -270,7 +321,7 @@ def test_large_epsilon_limit_and_exhausted_rejection(x64, limit_setting):
     impossible = np.asarray(release["records_dp"]).copy()
     impossible[4] = impossible[2] + 3.0  # sum y^2 > sum y
     bad = {"records_dp": jnp.asarray(impossible)[None], "records_moments_dp": release["records_moments_dp"][None]}
-    message = r"statistic update .* 200 proposals for chain\(s\) \[0, 1, 2, 3\]"
+    message = r"statistic update .* 200 proposals in 20 sweeps in a row for chain\(s\) \[0, 1, 2, 3\]"
     with pytest.raises((RuntimeError, ValueError), match=message):
         sample_releases(model, bad, jax.random.key(5), **run)
 
@@ -330,6 +381,8 @@ def test_bad_input_errors():
         R.RegressionNIG(Lambda0=((1.0, 2.0), (2.0, 1.0)))
     with pytest.raises(ValueError, match="max_tries"):
         seed(constrained_regression_model, 0)(10, max_tries=0)
+    with pytest.raises(ValueError, match="max_stalls must be a positive integer"):
+        seed(constrained_regression_model, 0)(10, max_stalls=2.5)
     with pytest.raises(ValueError, match="n >= 3"):
         seed(constrained_regression_model, 0)(2)
     model = private_constrained_regression(10, 1.0, bx, by)
@@ -375,14 +428,16 @@ def test_constrained_vs_unconstrained_small_release(x64):
 
 
 @pytest.mark.slow
-def test_mcmc_run_fails_clearly_when_rejection_is_exhausted(x64):
-    model = private_constrained_regression(20, 1e6, (0.0, 1.0), (0.0, 1.0), constrained=True, max_tries=50)
+def test_mcmc_run_fails_clearly_when_a_chain_is_stuck(x64):
+    model = private_constrained_regression(
+        20, 1e6, (0.0, 1.0), (0.0, 1.0), constrained=True, max_tries=50, max_stalls=5
+    )
     release = {  # sum y^2 = 13 > sum y = 10, with noise of scale 1e-5: never feasible
         "records_dp": jnp.array([10.0, 5.0, 10.0, 4.0, 13.0]),
         "records_moments_dp": jnp.array([10.0, 5.0, 3.0, 2.0]),
     }
     mcmc = private_posterior(model, release, num_warmup=10, num_samples=10, num_chains=3, progress_bar=False)
-    with pytest.raises((RuntimeError, ValueError), match="no feasible draw in 50 proposals"):
+    with pytest.raises((RuntimeError, ValueError), match="no feasible draw in 50 proposals in 5 sweeps in a row"):
         mcmc.run(jax.random.key(0))
 
 
