@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,10 +28,10 @@ from numpyro.primitives import Messenger
 from numpyro.util import is_prng_key
 
 from d3pext.inference.mcmc import CachedMCMC
-from d3pext.inference.registry import backends, build_kernel, method_kind
+from d3pext.inference.registry import BUILTIN_BACKENDS, Backend, backends, method_kind, select_backend
 from d3pext.inference.structure import RELEASES_KWARG, inspect_model
 
-__all__ = ["PrivatePosterior", "private_posterior", "sample_releases"]
+__all__ = ["PrivatePosterior", "ReleaseState", "private_posterior", "sample_releases"]
 
 _SECTIONS = ("joint", "independent")
 
@@ -70,8 +70,49 @@ def _same_argument(a: Any, b: Any) -> bool:
         return False
 
 
+def _frozen(value: Any) -> Any:
+    """A hashable stand-in for backend options (dicts and lists of plain values)."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+class ReleaseState(NamedTuple):
+    """State of :class:`PrivatePosterior`: the backend's state and the release values it
+    conditions on (arguments of the compiled sampler, not constants, so that another release of
+    the same shapes runs the same program). Other fields (``z``, ``diverging``, ...) are read
+    from the backend's state, so ``extra_fields`` work as with the backend alone.
+
+    - **inner** - the backend kernel's state.
+    - **releases** - ``{release site: value}``.
+    """
+
+    inner: Any
+    releases: dict[str, jax.Array]
+
+    @property
+    def z(self) -> Any:
+        return self.inner.z
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+_SHARED_KERNELS: OrderedDict = OrderedDict()
+_SHARED_KERNELS_SIZE = 16
+
+
 class PrivatePosterior(MCMCKernel):
     """MCMC kernel that picks the backend of ``method`` for a privatized model at ``init``.
+
+    Its state is a :class:`ReleaseState`. Kernels of the same model, method, options, release
+    shapes and model arguments share their backend and compiled initialisation (for built-in
+    backends), and :class:`~d3pext.inference.mcmc.CachedMCMC` shares their compiled sampling loop:
+    a new ``private_posterior`` for another release compiles nothing.
 
     :param model: a privatized model.
     :param data: release values to condition on, ``{release site: value}``.
@@ -101,6 +142,7 @@ class PrivatePosterior(MCMCKernel):
         self.method = method
         self.options = options
         self.inner: MCMCKernel | None = None
+        self.backend: Backend | None = None
         self._batched = False
 
     @property
@@ -112,43 +154,90 @@ class PrivatePosterior(MCMCKernel):
     def prepare(self, model_args: tuple = (), model_kwargs: dict | None = None) -> MCMCKernel:
         """Trace the model, pick the backend and build its kernel (done by ``init`` if needed)."""
         pm = inspect_model(self._model, self._data, model_args, dict(model_kwargs or {}))
-        self.inner = build_kernel(pm, self.method, self.options)
+        self.backend, self.inner = select_backend(pm, self.method, self.options)
         return self.inner
 
-    def _kwargs(self, model_kwargs: dict | None) -> dict:
-        return {**(model_kwargs or {}), RELEASES_KWARG: self._data}
+    def _kwargs(self, model_kwargs: dict | None, releases: Mapping | None = None) -> dict:
+        return {**(model_kwargs or {}), RELEASES_KWARG: self._data if releases is None else releases}
+
+    def structure_key(self, model_args: tuple, model_kwargs: dict | None) -> tuple | None:
+        """What the compiled sampler depends on besides the release values, or ``None`` when it
+        cannot be shared: a backend registered by the user (which may keep release values), or
+        model arguments that are arrays or otherwise unhashable. Valid after ``init``."""
+        if self.backend not in BUILTIN_BACKENDS:
+            return None
+        releases = tuple((k, v.shape, v.dtype, v.weak_type) for k, v in sorted(self._releases().items()))
+        key = (
+            self._model, self.backend, _frozen(self.options), self._batched, releases,
+            bool(jax.config.jax_enable_x64), model_args, tuple(sorted((model_kwargs or {}).items())),
+        )
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
         if self.inner is None:
             self.prepare(model_args, model_kwargs)
-        model_kwargs = self._kwargs(model_kwargs)
         self._batched = not is_prng_key(rng_key)
+        compiled = self._compiled_init(num_warmup, model_args, model_kwargs)
+        return compiled(rng_key, init_params, self._releases())
+
+    def _releases(self) -> dict[str, jax.Array]:
+        return {k: jnp.asarray(v) for k, v in self._data.items()}
+
+    def _compiled_init(self, num_warmup, model_args, model_kwargs) -> Callable:
+        """The jitted init: shared by the kernels of one structure (which then share ``inner``),
+        else kept on this kernel while the model arguments stay the same objects."""
+        structure = self.structure_key(model_args, model_kwargs)
+        if structure is not None:
+            key = (structure, num_warmup)
+            if key in _SHARED_KERNELS:
+                _SHARED_KERNELS.move_to_end(key)
+                self.inner, compiled = _SHARED_KERNELS[key]
+                return compiled
         leaves, treedef = jax.tree.flatten((model_args, model_kwargs))
         cached = getattr(self, "_init_cache", None)
-        # a second mcmc.run with the same arguments reuses the compiled init instead of compiling again
         if cached is None or cached[:3] != (self._batched, num_warmup, treedef) or not all(
             map(_same_argument, cached[3], leaves)
         ):
+            inner = self.inner
 
-            def init(key, params):
-                return self.inner.init(key, num_warmup, params, model_args, model_kwargs)
+            def init(key, params, releases):
+                kwargs = self._kwargs(model_kwargs, releases)
+                return ReleaseState(inner.init(key, num_warmup, params, model_args, kwargs), releases)
 
             # chain_method="vectorized" passes one key per chain
-            compiled = jax.jit(jax.vmap(init) if self._batched else init)
+            compiled = jax.jit(jax.vmap(init, in_axes=(0, 0, None)) if self._batched else init)
             cached = self._init_cache = (self._batched, num_warmup, treedef, leaves, compiled)
-        return cached[4](rng_key, init_params)
+        if structure is not None:
+            _SHARED_KERNELS[(structure, num_warmup)] = (self.inner, cached[4])
+            while len(_SHARED_KERNELS) > _SHARED_KERNELS_SIZE:
+                _SHARED_KERNELS.popitem(last=False)
+        return cached[4]
 
     def sample(self, state, model_args, model_kwargs):
-        model_kwargs = self._kwargs(model_kwargs)
-        if self._batched:
-            return jax.vmap(lambda s: self.inner.sample(s, model_args, model_kwargs))(state)
-        return self.inner.sample(state, model_args, model_kwargs)
+        def one(state):
+            kwargs = self._kwargs(model_kwargs, state.releases)
+            return ReleaseState(self.inner.sample(state.inner, model_args, kwargs), state.releases)
+
+        return jax.vmap(one)(state) if self._batched else one(state)
 
     def postprocess_fn(self, model_args, model_kwargs):
         return self.inner.postprocess_fn(model_args, self._kwargs(model_kwargs))
 
+    def postprocess_state_fn(self, model_args, model_kwargs) -> Callable:
+        """``postprocess_fn`` that reads the release values from the state (all chains' states
+        when vectorized), for a compiled loop shared by kernels of other releases."""
+
+        def one(state):
+            return self.inner.postprocess_fn(model_args, self._kwargs(model_kwargs, state.releases))(state.z)
+
+        return jax.vmap(one) if self._batched else one
+
     def get_diagnostics_str(self, state) -> str:
-        return "" if self._batched else self.inner.get_diagnostics_str(state)
+        return "" if self._batched else self.inner.get_diagnostics_str(state.inner)
 
 
 def private_posterior(
@@ -178,9 +267,10 @@ def private_posterior(
         ``"joint"`` (multinomial, default) or ``"independent"`` (as printed in the paper).
     :param nuts_kwargs: arguments of the NUTS blocks for non-conjugate parameters.
     :return: ``MCMC``; call ``.run(rng_key, *model_args)``. Its sampler is compiled on the first
-        ``run`` and kept for later runs of the same object; the release values are constants of the
-        compiled program, so a new call for another release compiles again. For many releases use
-        :func:`sample_releases` (one compiled sampler for all of them).
+        ``run``; the release values are arguments of the compiled program, so later runs, and new
+        calls for other releases of the same shapes with the same model, method, options and
+        (hashable) model arguments, compile nothing (built-in backends; a user's backend compiles
+        per call). To run many releases at once use :func:`sample_releases` (one vectorised call).
 
     **Example**
 

@@ -11,12 +11,12 @@ import jax
 
 @contextlib.contextmanager
 def count_compilations() -> Iterator[list[str]]:
-    """The XLA compilations inside the block, one event name per program compiled."""
+    """The XLA compilations inside the block: the name of each program compiled (``jit(f)``)."""
     names: list[str] = []
 
     def listener(name, *args, **kwargs):
         if name.endswith("backend_compile_duration"):
-            names.append(name)
+            names.append(kwargs.get("fun_name", name))
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:

@@ -15,6 +15,7 @@ warmup/sampling phases, ``chain_method``, ``extra_fields``, thinning) is ``MCMC`
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from functools import partial
 from operator import attrgetter
 from typing import Callable
@@ -24,8 +25,20 @@ from jax import lax
 import jax.numpy as jnp
 
 from numpyro.infer import MCMC
+from numpyro.infer.mcmc import _sample_fn_jit_args, _sample_fn_nojit_args
 
 __all__ = ["CachedMCMC"]
+
+
+class _StatePostprocess:
+    """Post-processing of whole states, by the sampler's ``postprocess_state_fn`` (shared loops)."""
+
+    def __init__(self, sampler, args: tuple | None = None, kwargs: dict | None = None) -> None:
+        self.sampler, self.args, self.kwargs = sampler, args, kwargs
+
+    def __call__(self, state, *model):
+        args, kwargs = model if model else (self.args, self.kwargs)
+        return self.sampler.postprocess_state_fn(args, kwargs)(state)
 
 
 def _collect_transform(postprocess_fn: Callable, collect_fields: tuple, remove_sites: tuple):
@@ -34,7 +47,10 @@ def _collect_transform(postprocess_fn: Callable, collect_fields: tuple, remove_s
     def transform(val):
         state = val[0]
         fields = [attrgetter(f)(state) for f in collect_fields]
-        fields[0] = postprocess_fn(fields[0], *val[1:])
+        if isinstance(postprocess_fn, _StatePostprocess):
+            fields[0] = postprocess_fn(state, *val[1:])
+        else:
+            fields[0] = postprocess_fn(fields[0], *val[1:])
         if remove_sites:
             fields[0] = {k: v for k, v in fields[0].items() if k not in remove_sites}
         return fields[0] if len(collect_fields) == 1 else fields
@@ -75,6 +91,10 @@ def _collect_loop(
     return collection, val
 
 
+_SHARED_LOOPS: OrderedDict = OrderedDict()
+_SHARED_LOOPS_SIZE = 16
+
+
 class CachedMCMC(MCMC):
     """``numpyro.infer.MCMC`` whose collection loop is compiled once per kernel, arguments and
     shapes: a second ``run`` (new key, same shapes) does not compile the sampler again.
@@ -103,7 +123,7 @@ class CachedMCMC(MCMC):
                 rng_key, self.num_warmup, init_params, model_args=args, model_kwargs=kwargs
             )
             init_state = new_state if init_state is None else init_state
-        sample_fn, postprocess_fn = self._get_cached_fns()
+        sample_fn, postprocess_fn = self._loop_fns()
         init_val = (init_state, args, kwargs) if self._jit_model_args else (init_state,)
         params = self._collection_params
         lower, upper = params["lower"], params["upper"]
@@ -119,3 +139,35 @@ class CachedMCMC(MCMC):
         jax.block_until_ready((collection, last_val))
         states = (collection,) if len(collect_fields) == 1 else tuple(collection)
         return dict(zip(collect_fields, states)), last_val[0]
+
+    def _loop_fns(self) -> tuple[Callable, Callable]:
+        """``(sample_fn, postprocess_fn)`` of the collection loop (static arguments of its jit).
+
+        NumPyro's are made per ``MCMC`` object. A sampler that names its structure
+        (``structure_key``, after ``init``) and post-processes whole states
+        (``postprocess_state_fn``: a state carries its data, e.g. a
+        :class:`~d3pext.handlers.posterior.ReleaseState`) gets ones shared by every
+        ``CachedMCMC`` of that structure, so that a new object for other data of the same shapes
+        reuses the compiled loop.
+        """
+        key_of = getattr(self.sampler, "structure_key", None)
+        if key_of is None or self.postprocess_fn is not None:
+            return self._get_cached_fns()
+        structure = key_of(self._args, self._kwargs)
+        if structure is None:
+            return self._get_cached_fns()
+        key = (structure, self.chain_method, self.num_chains, self._jit_model_args)
+        if key in _SHARED_LOOPS:
+            _SHARED_LOOPS.move_to_end(key)
+            return _SHARED_LOOPS[key]
+        if self._jit_model_args:
+            fns = partial(_sample_fn_jit_args, sampler=self.sampler), _StatePostprocess(self.sampler)
+        else:
+            fns = (
+                partial(_sample_fn_nojit_args, sampler=self.sampler, args=self._args, kwargs=self._kwargs),
+                _StatePostprocess(self.sampler, self._args, self._kwargs),
+            )
+        _SHARED_LOOPS[key] = fns
+        while len(_SHARED_LOOPS) > _SHARED_LOOPS_SIZE:
+            _SHARED_LOOPS.popitem(last=False)
+        return fns

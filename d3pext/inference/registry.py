@@ -34,6 +34,7 @@ __all__ = [
     "build_kernel",
     "method_kind",
     "register_backend",
+    "select_backend",
     "unregister_backend",
 ]
 
@@ -150,11 +151,16 @@ def method_kind(method: str) -> Kind:
 
 def build_kernel(pm: PrivateModel, method: str, options: dict | None = None) -> Any:
     """The kernel of the first backend of ``method`` that covers ``pm``."""
+    return select_backend(pm, method, options)[1]
+
+
+def select_backend(pm: PrivateModel, method: str, options: dict | None = None) -> tuple[Backend, Any]:
+    """The first backend of ``method`` that covers ``pm``, and the kernel it builds."""
     options = dict(options or {})
     reasons = []
     for backend in backends(method):
         try:
-            return backend.build(pm, options)
+            return backend, backend.build(pm, options)
         except NotApplicable as e:
             reasons.append(f"{backend.name}: {e}")
     raise ValueError(

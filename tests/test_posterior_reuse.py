@@ -1,0 +1,128 @@
+"""A new ``private_posterior`` for another release of the same shapes reuses the compiled sampler:
+it compiles nothing but the model's inspection, and draws exactly what a cold compile draws (so no
+release value is a constant of the shared program). Built-in backends only; a user's backend may
+keep release values, so it compiles per release."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import numpyro
+import numpyro.distributions as dist
+
+import d3pext.handlers.posterior as posterior
+import d3pext.inference.mcmc as cached_mcmc
+from d3pext.handlers import private_posterior
+from d3pext.handlers.privatize import privatize_counts
+from d3pext.inference.bounded import FlatPrior
+from d3pext.inference.expfam_backend import bernstein_sheldon_kernel
+from d3pext.inference.registry import register_backend, unregister_backend
+from d3pext.models import private_bounded_gaussian, private_constrained_regression
+from d3pext.models.expfam import private_beta_binomial
+from d3pext.releases.counts import GeometricMechanism
+
+from compilations import count_compilations
+
+# the one program a new object compiles: tracing the model for its structure (milliseconds)
+INSPECTION = "jit(run)"
+
+
+def _forget_shared():
+    posterior._SHARED_KERNELS.clear()
+    cached_mcmc._SHARED_LOOPS.clear()
+
+
+def _draws(model, release, args, key, **kwargs):
+    mcmc = private_posterior(model, release, progress_bar=False, **kwargs)
+    mcmc.run(jax.random.key(key), *args)
+    return mcmc, jax.device_get(mcmc.get_samples(group_by_chain=True))
+
+
+def _check_reuse(model, releases, args, **kwargs):
+    """The second release's draws: from the shared program (compiling only the inspection) and from
+    a cold one; equal to the last bit."""
+    _forget_shared()
+    first, _ = _draws(model, releases[0], args, 0, **kwargs)
+    with count_compilations() as compiled:
+        mcmc, shared = _draws(model, releases[1], args, 1, **kwargs)
+    assert set(compiled) <= {INSPECTION}, compiled
+    assert mcmc.sampler.inner is first.sampler.inner
+    _forget_shared()
+    with count_compilations() as compiled:
+        _, cold = _draws(model, releases[1], args, 1, **kwargs)
+    assert len(compiled) > 1  # the cold run does compile its sampler
+    jax.tree.map(np.testing.assert_array_equal, shared, cold)
+    return shared
+
+
+def _beta_binomial():
+    return private_beta_binomial(0.5, concentration1=2.0, concentration0=3.0)
+
+
+def test_another_release_reuses_the_compiled_sampler():
+    model = _beta_binomial()
+    releases = [{"x_dp": jnp.asarray(30.4)}, {"x_dp": jnp.asarray(71.9)}]
+    draws = _check_reuse(model, releases, (100,), num_warmup=50, num_samples=100, num_chains=2)
+    assert draws["theta"].shape == (2, 100)
+    assert draws["theta"].mean() > 0.5  # the draws are of the second release (71.9 of 100)
+
+
+def test_one_chain_and_user_backends():
+    model = _beta_binomial()
+    releases = [{"x_dp": jnp.asarray(30.4)}, {"x_dp": jnp.asarray(71.9)}]
+    _check_reuse(model, releases, (100,), num_warmup=20, num_samples=30, num_chains=1)
+    # a backend registered by the user is not shared (it may keep release values)
+    register_backend("user-gibbs")(bernstein_sheldon_kernel)
+    try:
+        mcmc, _ = _draws(model, releases[0], (100,), 0, method="user-gibbs", num_warmup=5, num_samples=5)
+        assert mcmc.sampler.structure_key((100,), {}) is None
+    finally:
+        unregister_backend("user-gibbs", "bernstein_sheldon_kernel")
+
+
+def _poisson_counts():
+    def model(n, counts=None):
+        rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5))
+        with numpyro.plate("cells", n):
+            numpyro.sample("y", dist.Poisson(rate), obs=counts)
+
+    model = privatize_counts(model, site="y", mechanism=GeometricMechanism.from_alpha(0.5))
+    return model, [{"y_dp": jnp.array([4, -2, 7, 1, 0, 9])}, {"y_dp": jnp.array([3, 1, 2, 5, 0, 2])}], (6,)
+
+
+def _bounded():
+    model = private_bounded_gaussian(0.25, 0.25, (0.0, 100.0), FlatPrior(), constrained=True)
+    releases = [
+        {"y_mean_dp": jnp.asarray(21.7), "y_var_dp": jnp.asarray(245.3)},
+        {"y_mean_dp": jnp.asarray(40.2), "y_var_dp": jnp.asarray(410.0)},
+    ]
+    return model, releases, (43,)
+
+
+def _regression():
+    model = private_constrained_regression(46, 1.1, (0.0, 100.0), (0.0, 150.0))
+    releases = [
+        {"records_dp": jnp.array([20.1, 10.3, 25.0, 11.2, 15.5]), "records_moments_dp": jnp.array([20.0, 10.0, 6.0, 4.0])},
+        {"records_dp": jnp.array([24.9, 15.0, 21.0, 12.1, 11.0]), "records_moments_dp": jnp.array([25.0, 15.0, 10.0, 7.0])},
+    ]
+    return model, releases, ()
+
+
+def _beta_binomial_case():
+    return _beta_binomial(), [{"x_dp": jnp.asarray(30.4)}, {"x_dp": jnp.asarray(71.9)}], (100,)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case, method",
+    [
+        (_beta_binomial_case, "gibbs"), (_beta_binomial_case, "naive"), (_beta_binomial_case, "clt"),
+        (_poisson_counts, "gibbs"), (_poisson_counts, "naive"),
+        (_bounded, "gibbs"), (_bounded, "naive"),
+        (_regression, "gibbs"), (_regression, "naive"),
+    ],
+)
+def test_every_builtin_backend_reuses_its_sampler_exactly(case, method):
+    model, releases, args = case()
+    _check_reuse(model, releases, args, method=method, num_warmup=30, num_samples=40, num_chains=3)
