@@ -68,17 +68,27 @@ def test_another_release_reuses_the_compiled_sampler():
     assert draws["theta"].mean() > 0.5  # the draws are of the second release (71.9 of 100)
 
 
-def test_one_chain_and_user_backends():
+def test_user_backends_are_not_shared():
+    # a backend registered by the user may keep release values: its kernels have no structure key
+    model = _beta_binomial()
+    register_backend("user-gibbs")(bernstein_sheldon_kernel)
+    try:
+        kernels = {}
+        for method in ("gibbs", "user-gibbs"):
+            kernels[method] = posterior.PrivatePosterior(model, {"x_dp": jnp.asarray(30.4)}, method)
+            kernels[method].prepare((100,))
+        assert kernels["gibbs"].structure_key((100,), {}) is not None
+        assert kernels["user-gibbs"].structure_key((100,), {}) is None
+        assert kernels["gibbs"].structure_key((jnp.asarray(100),), {}) is None  # array arguments: never shared
+    finally:
+        unregister_backend("user-gibbs", "bernstein_sheldon_kernel")
+
+
+@pytest.mark.slow
+def test_one_chain_reuses_the_compiled_sampler():
     model = _beta_binomial()
     releases = [{"x_dp": jnp.asarray(30.4)}, {"x_dp": jnp.asarray(71.9)}]
     _check_reuse(model, releases, (100,), num_warmup=20, num_samples=30, num_chains=1)
-    # a backend registered by the user is not shared (it may keep release values)
-    register_backend("user-gibbs")(bernstein_sheldon_kernel)
-    try:
-        mcmc, _ = _draws(model, releases[0], (100,), 0, method="user-gibbs", num_warmup=5, num_samples=5)
-        assert mcmc.sampler.structure_key((100,), {}) is None
-    finally:
-        unregister_backend("user-gibbs", "bernstein_sheldon_kernel")
 
 
 def _poisson_counts():
