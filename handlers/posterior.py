@@ -161,9 +161,16 @@ class PrivatePosterior(MCMCKernel):
         return {**(model_kwargs or {}), RELEASES_KWARG: self._data if releases is None else releases}
 
     def structure_key(self, model_args: tuple, model_kwargs: dict | None) -> tuple | None:
+        """Kernels with equal keys run the same sampling program given their states (the key of
+        :class:`~d3pext.inference.mcmc.CachedMCMC`'s shared loops): their structure and the backend
+        kernel that initialised the state. ``None`` when it cannot be shared. Valid after ``init``."""
+        structure = self._structure(model_args, model_kwargs)
+        return None if structure is None else (structure, self.inner)
+
+    def _structure(self, model_args: tuple, model_kwargs: dict | None) -> tuple | None:
         """What the compiled sampler depends on besides the release values, or ``None`` when it
         cannot be shared: a backend registered by the user (which may keep release values), or
-        model arguments that are arrays or otherwise unhashable. Valid after ``init``."""
+        model arguments that are arrays or otherwise unhashable."""
         if self.backend not in BUILTIN_BACKENDS:
             return None
         releases = tuple((k, v.shape, v.dtype, v.weak_type) for k, v in sorted(self._releases().items()))
@@ -190,7 +197,7 @@ class PrivatePosterior(MCMCKernel):
     def _compiled_init(self, num_warmup, model_args, model_kwargs) -> Callable:
         """The jitted init: shared by the kernels of one structure (which then share ``inner``),
         else kept on this kernel while the model arguments stay the same objects."""
-        structure = self.structure_key(model_args, model_kwargs)
+        structure = self._structure(model_args, model_kwargs)
         if structure is not None:
             key = (structure, num_warmup)
             if key in _SHARED_KERNELS:
@@ -199,9 +206,13 @@ class PrivatePosterior(MCMCKernel):
                 return compiled
         leaves, treedef = jax.tree.flatten((model_args, model_kwargs))
         cached = getattr(self, "_init_cache", None)
-        if cached is None or cached[:3] != (self._batched, num_warmup, treedef) or not all(
-            map(_same_argument, cached[3], leaves)
-        ):
+        stale = (
+            cached is None
+            or cached[:3] != (self._batched, num_warmup, treedef)
+            or cached[5] is not self.inner
+            or not all(map(_same_argument, cached[3], leaves))
+        )
+        if stale:
             inner = self.inner
 
             def init(key, params, releases):
@@ -210,7 +221,7 @@ class PrivatePosterior(MCMCKernel):
 
             # chain_method="vectorized" passes one key per chain
             compiled = jax.jit(jax.vmap(init, in_axes=(0, 0, None)) if self._batched else init)
-            cached = self._init_cache = (self._batched, num_warmup, treedef, leaves, compiled)
+            cached = self._init_cache = (self._batched, num_warmup, treedef, leaves, compiled, inner)
         if structure is not None:
             _SHARED_KERNELS[(structure, num_warmup)] = (self.inner, cached[4])
             while len(_SHARED_KERNELS) > _SHARED_KERNELS_SIZE:

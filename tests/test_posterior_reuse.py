@@ -136,3 +136,16 @@ def _beta_binomial_case():
 def test_every_builtin_backend_reuses_its_sampler_exactly(case, method):
     model, releases, args = case()
     _check_reuse(model, releases, args, method=method, num_warmup=30, num_samples=40, num_chains=3)
+
+
+@pytest.mark.slow
+def test_another_warmup_length_gets_its_own_sampler():
+    # NUTS builds its adaptation schedule from num_warmup at init: a kernel for another warmup
+    # length must not run the first kernel's sampler
+    model, releases, args = _beta_binomial_case()
+    _forget_shared()
+    _draws(model, releases[0], args, 0, method="clt", num_warmup=30, num_samples=40, num_chains=3)
+    _, shared = _draws(model, releases[1], args, 1, method="clt", num_warmup=60, num_samples=40, num_chains=3)
+    _forget_shared()
+    _, cold = _draws(model, releases[1], args, 1, method="clt", num_warmup=60, num_samples=40, num_chains=3)
+    jax.tree.map(np.testing.assert_array_equal, shared, cold)
