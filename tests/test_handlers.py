@@ -296,6 +296,18 @@ def test_truncated_exponential_matches_exact_posterior_and_joint_sections_help()
     assert sds["independent"] < sds["joint"] < s_ex * 1.01
 
 
+@pytest.mark.slow
+def test_a_statistic_stuck_outside_its_range_fails_the_run():
+    # counts far outside [0, n] with almost no noise: the multivariate statistic's capped rejection
+    # keeps its value every sweep; after 20 sweeps in a row the run fails instead of returning a
+    # chain that never moved (fast twin: tests/test_gibbs_base.py)
+    model = private_dirichlet_multinomial(1000.0)
+    mcmc = private_posterior(model, {"x_dp": jnp.array([-40.0, 60.0, 50.0, 30.0])}, num_warmup=10,
+                             num_samples=20, num_chains=2, progress_bar=False)
+    with pytest.raises((RuntimeError, ValueError), match=r"release 'x_dp' .* 20 sweeps in a row for chain\(s\) \[0, 1\]"):
+        mcmc.run(random.key(0), 100)
+
+
 def test_dirichlet_multinomial_two_categories_matches_exact_posterior():
     """With K = 2 the count vector (s, n - s) gets two independent Laplace noises."""
     n, eps = 400, 0.1

@@ -3,6 +3,7 @@
 the lazy step after an empty rejection loop, the large-epsilon limit, constrained vs unconstrained, the
 stuck-chain error, bad input."""
 
+import functools
 import math
 
 import jax
@@ -148,8 +149,15 @@ def _s_setting():
     return z, post_mean, post_cov
 
 
+S_OLD_THETA, S_OLD_S2 = np.array([0.3, 0.1]), 0.05
+
+
+@functools.lru_cache(maxsize=None)
 def _conditional_draws(num):
+    """The conditionals' draws, and those of the same updates with one proposal each (the lazy step
+    after an empty rejection loop: see test_an_empty_rejection_keeps_the_previous_value)."""
     z, _, _ = _s_setting()
+    s_old = R.project_statistics(jnp.asarray(z), N_S, True)
 
     def one(key):
         k1, k2, k3, k4, k5, kw = jax.random.split(key, 6)
@@ -160,9 +168,12 @@ def _conditional_draws(num):
         p_unc = R._parameter_update(w[:, 10:13], k3, jnp.asarray(S_P), 5, PRIOR_A, False, 100)[:2]
         p_a = R._parameter_update(w[:, 13:16], k4, jnp.asarray(S_P), 5, PRIOR_A, True, 1000)[:2]
         p_b = R._parameter_update(w[:, 16:19], k5, jnp.asarray(S_P), 5, PRIOR_B, True, 1000)[:2]
-        return s_unc, s_con, p_unc, p_a, p_b
+        lazy_s = R._statistic_update(w[:, 5:10], k2, s_old, *args, True, 1)
+        old = (jnp.asarray(S_OLD_THETA), S_OLD_S2)
+        lazy_p = R._parameter_update(w[:, 16:19], k5, jnp.asarray(S_P), 5, PRIOR_B, True, 1, old)
+        return (s_unc, s_con, p_unc, p_a, p_b), (s_old, lazy_s, lazy_p)
 
-    return jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), num))
+    return jax.device_get(jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), num)))
 
 
 def _restricted_nig_reference(prior, num, rng):
@@ -185,7 +196,7 @@ def _assert_same_mean(draws, ref, sigmas=4.0):
 
 def _check_conditionals(num, ref_num):
     rng = np.random.default_rng(2)
-    s_unc, s_con, p_unc, p_a, p_b = jax.tree.map(np.asarray, _conditional_draws(num))
+    s_unc, s_con, p_unc, p_a, p_b = jax.tree.map(np.asarray, _conditional_draws(num)[0])
     # S, unconstrained: the Gaussian product in closed form
     _, post_mean, post_cov = _s_setting()
     assert np.all(np.abs(s_unc.mean(0) - post_mean) < 4 * np.sqrt(np.diag(post_cov) / num))
@@ -228,27 +239,14 @@ def test_conditionals_match_exact_laws_slow(x64):
 def test_an_empty_rejection_keeps_the_previous_value(x64):
     # one proposal per update: many updates find nothing feasible and must return the previous
     # value exactly (the lazy step of the module doc), the others a feasible draw
-    z, _, _ = _s_setting()
-    s_old = jnp.asarray(R.project_statistics(jnp.asarray(z), N_S, True))
-    theta_old, s2_old = jnp.array([0.3, 0.1]), 0.05
-
-    def one(key):
-        k1, k2, kw = jax.random.split(key, 3)
-        w = uniform_pairs(kw, (8,), jnp.float64)
-        args = (jnp.asarray(z), jnp.asarray(D_S), jnp.asarray(THETA_S), S2_S, jnp.asarray(M_S), N_S)
-        s, s_ok = R._statistic_update(w[:, :5], k1, s_old, *args, True, 1)
-        theta, s2, p_ok = R._parameter_update(
-            w[:, 5:8], k2, jnp.asarray(S_P), 5, PRIOR_B, True, 1, (theta_old, s2_old)
-        )
-        return s, s_ok, theta, s2, p_ok
-
-    s, s_ok, theta, s2, p_ok = map(np.asarray, jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(1), 4000)))
+    s_old, (s, s_ok), (theta, s2, p_ok) = _conditional_draws(20_000)[1]
+    s_old = s_old[0]
     assert 0.05 < s_ok.mean() < 0.95 and 0.05 < p_ok.mean() < 0.95, (s_ok.mean(), p_ok.mean())
     assert np.array_equal(s[~s_ok], np.broadcast_to(s_old, s[~s_ok].shape))
-    assert not np.any(np.all(s[s_ok] == np.asarray(s_old), -1))
+    assert not np.any(np.all(s[s_ok] == s_old, -1))
     assert bool(np.all(np.asarray(R.feasible_statistics(jnp.asarray(s), N_S))))
-    assert np.array_equal(theta[~p_ok], np.broadcast_to(theta_old, theta[~p_ok].shape))
-    assert np.all(s2[~p_ok] == s2_old) and np.all(s2[p_ok] != s2_old) and np.all(s2 <= 0.25)
+    assert np.array_equal(theta[~p_ok], np.broadcast_to(S_OLD_THETA, theta[~p_ok].shape))
+    assert np.all(s2[~p_ok] == S_OLD_S2) and np.all(s2[p_ok] != S_OLD_S2) and np.all(s2 <= 0.25)
     assert bool(np.all(np.asarray(R.feasible_coefficients(theta[:, 0], theta[:, 1]))))
 
 

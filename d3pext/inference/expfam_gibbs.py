@@ -10,7 +10,11 @@ their priors. One sweep, for each release:
    ``p(s | theta)`` (moments by autodiff of the log-partition, :mod:`d3pext.distributions.expfam`) times the
    normal ``p(y | s, sigma^2)``, restricted to the statistics that are valid for the data model
    (``0 <= s <= n`` for a binomial, ...). The restriction is the paper's rejection step: in one
-   dimension it is drawn exactly as a truncated normal, in several dimensions by rejection;
+   dimension it is drawn exactly as a truncated normal, in several dimensions by rejection, which
+   keeps the previous statistic after ``max_rejections`` invalid draws (still an exact update:
+   the chance of that does not depend on the previous statistic); a chain that keeps it
+   ``max_stalls`` sweeps in a row is stuck and fails the run
+   (:func:`~d3pext.inference.gibbs_base.raise_if_stuck`);
 2. the record parameters by conjugacy given the full statistic (exact model);
 3. the precisions ``1 / sigma_j^2 ~ InverseGaussian(1 / (b |y_j - s_j|), 1 / b^2)`` (Laplace
    scale ``b``, :func:`laplace_mixing_variance`).
@@ -65,7 +69,7 @@ from d3pext.inference.draws import (
     truncated_normal_from_uniforms,
     uniform_pairs,
 )
-from d3pext.inference.gibbs_base import ConstrainedGibbsKernel
+from d3pext.inference.gibbs_base import DEFAULT_MAX_STALLS, ConstrainedGibbsKernel, raise_if_stuck
 
 __all__ = ["ExpFamGibbs", "ExpFamGibbsState", "StatisticBlock"]
 
@@ -90,7 +94,9 @@ class StatisticBlock:
     :param release_scale: the release is of ``release_scale * statistic`` (``1 / n`` for a mean);
         ``noise_scale`` is on the scale of the statistic.
     :param max_rejections: cap on rejected draws of a multivariate statistic in one sweep (then
-        the previous value is kept and counted in ``num_rejections``).
+        the previous value is kept, an exact update still, and counted in ``num_rejections``).
+    :param max_stalls: the run fails when the previous value is kept this many sweeps in a row (the
+        chain is stuck: a release far outside the range of the statistic).
     """
 
     source: str
@@ -107,6 +113,7 @@ class StatisticBlock:
     naive: bool = False
     release_scale: float = 1.0
     max_rejections: int = 1000
+    max_stalls: int = DEFAULT_MAX_STALLS
 
     @property
     def latent_sites(self) -> tuple[str, ...]:
@@ -121,11 +128,14 @@ class ExpFamGibbsState(NamedTuple):
     - **rng_key** - random key for the next sweep.
     - **num_rejections** - invalid statistics rejected during the last sweep (multivariate
       statistics only; the univariate draws are exact truncated normals).
+    - **stalls** - per block, sweeps in a row in which its multivariate statistic kept its value
+      after ``max_rejections`` invalid draws.
     """
 
     z: dict[str, jax.Array]
     rng_key: jax.Array
     num_rejections: jax.Array
+    stalls: jax.Array
 
 
 def _stat_range(family: ExpFamily, n: int) -> tuple[float, float]:
@@ -183,7 +193,7 @@ def _bounded_vector_update(draws, family, eta, n, y, noise_var, s_old, max_tries
     )
     # after max_tries invalid draws the previous (valid) statistic is kept: still a valid update,
     # as whether the draws succeed does not depend on the current statistic
-    return jnp.where(ok, s, s_old), tries - ok.astype(jnp.int32)
+    return jnp.where(ok, s, s_old), tries - ok.astype(jnp.int32), ok
 
 
 def _truncated_update(draws, family, eta, n, y, noise_var, bounds, sections):
@@ -308,7 +318,7 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
                 z[site] = posterior_from_draws(draws, posterior).astype(z[site].dtype)
         if init_params:
             z.update({k: jnp.asarray(v) for k, v in init_params.items() if k in z})
-        return ExpFamGibbsState(z, rng_key, jnp.zeros((), jnp.int32))
+        return ExpFamGibbsState(z, rng_key, jnp.zeros((), jnp.int32), jnp.zeros((len(self._blocks),), jnp.int32))
 
     def sample(self, state, model_args, model_kwargs):
         model_kwargs = {} if model_kwargs is None else model_kwargs
@@ -320,10 +330,27 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
             jax.tree.map(lambda v: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)), state.z),
         )
         draws = SweepDraws.bulk(key_draw, key_retry, counter.num_pairs, counter.dtype)
-        z, rejections = self._sweep(state.z, draws, model_args, model_kwargs)
+        z, rejections, kept = self._sweep(state.z, draws, model_args, model_kwargs)
         if draws.num_pairs != counter.num_pairs:
             raise RuntimeError("ExpFamGibbs: the sweep used more or fewer variates than counted.")
-        return ExpFamGibbsState(z, next_key, rejections)
+        stalls = state.stalls
+        if any(k is not None for k in kept):  # some statistic is drawn by capped rejection
+            kept = jnp.stack([jnp.bool_(False) if k is None else k for k in kept])
+            stalls = jnp.where(kept, stalls + 1, 0)
+            # always False (it raises otherwise); fed into the draws so that JAX keeps the check
+            stuck = self._raise_if_stuck(stalls)
+            z = {k: jnp.where(stuck, state.z[k], v) if k in state.z else v for k, v in z.items()}
+        return ExpFamGibbsState(z, next_key, rejections, stalls)
+
+    def _raise_if_stuck(self, stalls: jax.Array) -> jax.Array:
+        updates = [f"ExpFamGibbs: the statistic update of release {b.release!r}" for b in self._blocks]
+        advice = (
+            "Most likely the release is far outside the values a statistic of the model's number of "
+            "records can take (e.g. a count well below 0 or above n with little noise): check the "
+            "release, its noise scale and the number of records."
+        )
+        max_stalls = min(b.max_stalls for b in self._blocks)
+        return raise_if_stuck(stalls, max_stalls, updates, "drew no statistic in its range in max_rejections draws", advice)
 
     def _sweep(self, z, draws: SweepDraws, model_args, model_kwargs):
         z = dict(z)
@@ -331,7 +358,8 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
             *model_args, **model_kwargs
         )
         rejections = jnp.zeros((), jnp.int32)
-        for blk in self._blocks:
+        kept = [None] * len(self._blocks)  # per block: the previous statistic kept (capped rejection)
+        for index, blk in enumerate(self._blocks):
             record = record_distribution(tr[blk.source]["fn"])
             family = family_of(record)
             eta = family.natural_params(record)
@@ -352,11 +380,12 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
                 elif family.univariate:
                     s_rel = s_full = _bounded_scalar_update(draws, family, eta, n, y, noise_var)
                 else:
-                    s_rel, rej = _bounded_vector_update(
+                    s_rel, rej, ok = _bounded_vector_update(
                         draws, family, eta, n, y, noise_var, z[blk.stat], blk.max_rejections
                     )
                     s_full = s_rel
                     rejections = rejections + rej
+                    kept[index] = ~ok
                 z[blk.stat] = s_rel
             for site, param in blk.params:
                 posterior = conjugate_posterior(tr[site]["fn"], s_full, n, record, param)
@@ -364,6 +393,6 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
             if blk.noise == "laplace" and not blk.naive:
                 gap = jnp.abs(y - s_rel)
                 z[blk.noise_var] = mixing_variance_from_uniforms(draws.pairs(gap.shape), gap, blk.noise_scale)
-        return z, rejections
+        return z, rejections, kept
 
 

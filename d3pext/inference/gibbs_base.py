@@ -1,13 +1,66 @@
-"""The base class of the data-augmentation Gibbs kernels."""
+"""The base class of the data-augmentation Gibbs kernels, and their stuck-chain check."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import copy
+
+import numpy as np
+
+import jax
+from jax import lax
+import jax.numpy as jnp
 
 from numpyro.infer.mcmc import MCMCKernel
 from numpyro.util import identity
 
-__all__ = ["ConstrainedGibbsKernel"]
+__all__ = ["ConstrainedGibbsKernel", "DEFAULT_MAX_STALLS", "raise_if_stuck"]
+
+DEFAULT_MAX_STALLS = 20
+"""Sweeps in a row in which a capped rejection step keeps its value before the run fails."""
+
+
+def raise_if_stuck(
+    stalls: jax.Array, max_stalls: int, updates: Sequence[str], failed: str, advice: str
+) -> jax.Array:
+    """Raise on the host if one chain's capped rejection step kept its value ``max_stalls`` sweeps in
+    a row; returns ``False`` (feed it into the draws, or JAX removes the check as dead code).
+
+    A rejection step that keeps the previous value after its cap is still an exact update (the
+    chance of that does not depend on the previous value), so isolated kept values are fine; a
+    chain that keeps one every sweep is stuck, which would otherwise go unnoticed.
+
+    :param stalls: ``(len(updates),)`` per chain: consecutive sweeps in which each update kept its
+        value.
+    :param updates: the updates' names (``"Kernel: the ... update"``), for the message.
+    :param failed: what each kept value means (``"found no feasible draw in 100 proposals"``).
+    :param advice: the likely cause and what to do.
+
+    The callback sits in a ``lax.while_loop`` whose body runs only in sweeps where some chain is
+    stuck, so it costs nothing otherwise; under ``vmap`` it receives the counts of all chains (hence
+    the chain indices). JAX re-raises the error from the run as a ``JaxRuntimeError`` (a
+    ``RuntimeError``; some dispatch paths surface it as a ``ValueError``).
+    """
+
+    def report(counts):
+        shape = np.shape(counts)[:-1]
+        stuck = np.asarray(counts).reshape(-1, len(updates)) >= max_stalls
+        chains = np.flatnonzero(stuck.any(1))
+        if chains.size:
+            names = " and ".join(n for n, s in zip(updates, stuck.any(0)) if s)
+            raise RuntimeError(
+                f"{names} {failed} in {max_stalls} sweeps in a row for chain(s) {chains.tolist()} "
+                "(index over the vectorised chains; over releases x chains in sample_releases), so "
+                f"the chain is stuck. {advice}"
+            )
+        return np.zeros(shape, bool)
+
+    def body(flag):
+        return jax.pure_callback(
+            report, jax.ShapeDtypeStruct(jnp.shape(flag), jnp.bool_), stalls, vmap_method="expand_dims"
+        )
+
+    return lax.while_loop(lambda flag: flag, body, jnp.any(stalls >= max_stalls, -1))
 
 
 class ConstrainedGibbsKernel(MCMCKernel):

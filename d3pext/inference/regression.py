@@ -93,7 +93,8 @@ not on the previous value ``x``, so the step is ``K(x, .) = (1 - r) pi + r delta
 ``pi`` invariant (a lazy Gibbs step, as a rejected Metropolis move). It only slows mixing where
 feasible proposals are rare, which happens for a small share of the releases of real records
 (about one in 160 of the README example's, with 10000 proposals). A chain whose update keeps its
-value ``max_stalls`` sweeps in a row (default :data:`DEFAULT_MAX_STALLS`) is stuck, most likely
+value ``max_stalls`` sweeps in a row (default
+:data:`~d3pext.inference.gibbs_base.DEFAULT_MAX_STALLS`) is stuck, most likely
 on a release far from every feasible statistic, and makes the run fail with an error that names
 the update and the chain and says what to do: a host callback (``jax.pure_callback`` in a
 ``lax.while_loop`` whose body runs only in sweeps where some chain is stuck, so it costs nothing
@@ -128,7 +129,7 @@ from d3pext.inference.draws import (
     normal_from_uniforms,
     uniform_pairs,
 )
-from d3pext.inference.gibbs_base import ConstrainedGibbsKernel
+from d3pext.inference.gibbs_base import DEFAULT_MAX_STALLS, ConstrainedGibbsKernel, raise_if_stuck
 from d3pext.inference.structure import NotApplicable, PrivateModel
 from d3pext.releases.mechanisms import LaplaceMechanism
 from d3pext.validation import check_bounds
@@ -162,7 +163,6 @@ SPEC_KEY = "bernstein_sheldon_regression"
 STAT_NAMES = ("sum_x", "sum_x2", "sum_y", "sum_xy", "sum_y2")
 """Entries of the released statistic ``S`` (unit scale)."""
 DEFAULT_MAX_TRIES = 10_000
-DEFAULT_MAX_STALLS = 20
 _NUM_PAIRS = 13  # uniform pairs per sweep: S 5, (precision, theta) 3, omega 5
 
 
@@ -560,39 +560,20 @@ def nig_posterior(s, n, prior: RegressionNIG):
 # Conditional updates (one chain; vmapped by the caller)
 
 
+_UPDATES = (
+    "Constrained regression: the statistic update S | theta, sigma^2, omega^2",
+    "the parameter update (theta, sigma^2) | S",
+)
+
+
 def _fail_if_stalled(stalls: jax.Array, max_stalls: int, max_tries: int) -> jax.Array:
-    """Raise on the host if a chain's rejection loops came up empty in ``max_stalls`` sweeps in a
-    row; returns ``False`` (to be used, so that the check is not removed as dead code).
-
-    ``stalls``: ``(2,)`` consecutive empty sweeps of the statistic and parameter updates. The
-    callback sits in a ``lax.while_loop`` whose body runs only when some chain is stalled (under
-    ``vmap`` it receives the counts of all chains, hence the chain indices).
-    """
-    names = ("statistic update S | theta, sigma^2, omega^2", "parameter update (theta, sigma^2) | S")
-
-    def report(counts):
-        shape = np.shape(counts)[:-1]
-        stalled = np.asarray(counts).reshape(-1, 2) >= max_stalls
-        chains = np.flatnonzero(stalled.any(1))
-        if chains.size:
-            updates = " and the ".join(n for n, s in zip(names, stalled.any(0)) if s)
-            raise RuntimeError(
-                f"Constrained regression: the {updates} found no feasible draw in {max_tries} "
-                f"proposals in {max_stalls} sweeps in a row for chain(s) {chains.tolist()} (index "
-                "over the vectorised chains; over releases x chains in sample_releases), so the "
-                "chain is stuck. Most likely the release is far from every feasible statistic "
-                "(seed 001, footnote 6): check the bounds and the release, or use "
-                "constrained=False. Otherwise raise max_tries or max_stalls "
-                "(private_constrained_regression(..., max_tries=..., max_stalls=...))."
-            )
-        return np.zeros(shape, bool)
-
-    def body(flag):
-        return jax.pure_callback(
-            report, jax.ShapeDtypeStruct(jnp.shape(flag), jnp.bool_), stalls, vmap_method="expand_dims"
-        )
-
-    return lax.while_loop(lambda flag: flag, body, jnp.any(stalls >= max_stalls))
+    """:func:`~d3pext.inference.gibbs_base.raise_if_stuck` for the two rejection steps."""
+    advice = (
+        "Most likely the release is far from every feasible statistic (seed 001, footnote 6): check "
+        "the bounds and the release, or use constrained=False. Otherwise raise max_tries or max_stalls "
+        "(private_constrained_regression(..., max_tries=..., max_stalls=...))."
+    )
+    return raise_if_stuck(stalls, max_stalls, _UPDATES, f"found no feasible draw in {max_tries} proposals", advice)
 
 
 def _psd_2x2(a, b, c):
