@@ -96,6 +96,20 @@ def test_bessel_sampler_gof_over_the_grid():
         assert chi_square_pvalue(x[:, j], *bessel_pmf_table(wrong, 10.0)) < GOF_THRESHOLD
 
 
+MILLIONS = [(1e6, 2000.0), (0.0, 2e6), (3e5, 1e6), (1e6, 2e6)]
+
+
+def test_bessel_sampler_gof_for_counts_in_the_millions_float32():
+    # log p is about 1e7 here, with no digits left in float32 (before: the right tail's slope
+    # rounded to 0 and every draw of (0, 2e6) failed or was off); the sampler works with
+    # log p(n) - log p(mode), which keeps them
+    nu, a = (jnp.array(v, jnp.float32) for v in zip(*MILLIONS))
+    x, ok = jax.jit(lambda k: sample_bessel(k, nu, a, (SAMPLES, len(MILLIONS))))(jax.random.PRNGKey(5))
+    assert bool(ok.all())
+    for j, g in enumerate(MILLIONS):
+        assert chi_square_pvalue(np.asarray(x[:, j]), *bessel_pmf_table(*g)) > GOF_THRESHOLD / len(MILLIONS), g
+
+
 EXTREMES = [(0.0, 1e-6), (7.0, 1e-3), (0.0, 1e4), (200.0, 5e4)]
 
 

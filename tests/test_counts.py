@@ -407,12 +407,36 @@ def _poisson_private():
     return privatize_counts(_poisson_model, site="y", mechanism=GeometricMechanism.from_alpha(CONJ_ALPHA))
 
 
-def test_conjugate_rate_posterior_matches_grid():
-    mcmc = private_posterior(_poisson_private(), {"y_dp": CONJ_RELEASE}, num_warmup=500,
+POISSON_PRIVATE = _poisson_private()
+
+
+def _conjugate_rate_draws(release, key):
+    # one model object and one set of settings: the second release reuses the compiled sampler
+    mcmc = private_posterior(POISSON_PRIVATE, {"y_dp": release}, num_warmup=500,
                              num_samples=5000, num_chains=4, progress_bar=False)
-    mcmc.run(random.PRNGKey(3), CONJ_RELEASE.size)
+    mcmc.run(random.PRNGKey(key), release.size)
     assert isinstance(mcmc.sampler.inner, CountGibbs)
-    _check_rate_draws(np.asarray(mcmc.get_samples(group_by_chain=True)["rate"]), CONJ_RELEASE, CONJ_ALPHA)
+    return np.asarray(mcmc.get_samples(group_by_chain=True)["rate"])
+
+
+def test_conjugate_rate_posterior_matches_grid():
+    _check_rate_draws(_conjugate_rate_draws(CONJ_RELEASE, 3), CONJ_RELEASE, CONJ_ALPHA)
+
+
+def test_counts_in_the_millions_in_float32():
+    # the Bessel sampler's log pmf (about 1.3e7 here) has no digits left in float32; its ratio to
+    # the mode does. Before, 94% of the draws failed, the counts stayed put, and the rate's
+    # posterior mean was 0.899e6. With noise of sd ~1 on counts of 1e6, the posterior is the
+    # conjugate Gamma(2 + sum, 0.5 + 6) up to a shift far below its sd (about 380)
+    from numpyro.diagnostics import effective_sample_size
+
+    release = jnp.array([1000003, 999998, 1000010, 999990, 1000001, 1000005])
+    assert not jax.config.jax_enable_x64
+    rate = _conjugate_rate_draws(release, 5)
+    shape, rate_param = 2.0 + float(release.sum()), 0.5 + release.size
+    mcse = rate.std() / np.sqrt(float(effective_sample_size(rate)))
+    assert abs(rate.mean() - shape / rate_param) < 4 * mcse + 5.0, (rate.mean(), shape / rate_param, mcse)
+    assert abs(rate.std() / (np.sqrt(shape) / rate_param) - 1) < 0.1
 
 
 @pytest.mark.slow

@@ -251,12 +251,62 @@ class Skellam(Distribution):
 # ---------------------------------------------------------------------------------------------
 
 
-def _bessel_log_weight(n: Array, nu: Array, log_half_a: Array) -> Array:
-    # log of the unnormalised pmf (a/2)^(2n) / (n! Gamma(n + nu + 1)); -inf below the support.
-    # One gammaln call on stacked arguments: each call site expands to a large XLA kernel.
+_STIRLING_MIN = 8.0  # Stirling's series to 1/(1260 t^5) errs by < 1/(1680 t^7) < 3e-10 from here
+_PHI_TERMS = 9  # series of phi for |t| < 0.1: the first omitted term is below 1e-10 relative
+
+
+def _phi(t: Array) -> Array:
+    """``(1 + t) log1p(t) - t`` (``t > -1``), by its series ``sum_k (-t)^k / (k (k - 1))`` for
+    ``|t| < 0.1``, where the direct form cancels."""
+    small = jnp.abs(t) < 0.1
+    ts = jnp.where(small, t, 0.0)
+    series = jnp.zeros_like(t)
+    for k in range(_PHI_TERMS + 1, 1, -1):
+        series = (series + (-1.0) ** k / (k * (k - 1))) * ts
+    tl = jnp.where(small, 0.5, t)
+    return jnp.where(small, series * ts, (1 + tl) * jnp.log1p(tl) - tl)
+
+
+def _lgamma_curvature(x: Array, d: Array) -> Array:
+    """``lgamma(x + d) - lgamma(x) - d log(x)`` for ``x, x + d >= 1``, without cancellation.
+
+    The difference of two values of ``lgamma`` loses all its digits in float32 once they reach
+    about 1e7 (``lgamma(1e6 + 1) ~ 1.3e7``, whose float32 spacing is 1). Where both arguments are
+    at least 8, Stirling's series gives ``x phi(d / x) - log1p(d / x) / 2 + c(x + d) - c(x)``,
+    ``phi`` from :func:`_phi` and ``c(t) = 1/(12 t) - 1/(360 t^3) + 1/(1260 t^5)``: terms of the
+    size of the result, which is small near ``d = 0``. Below 8 the values are small and are
+    subtracted as they are.
+    """
+    y = x + d
+    big = jnp.minimum(x, y) >= _STIRLING_MIN
+    xs, ds = jnp.where(big, x, _STIRLING_MIN), jnp.where(big, d, 0.0)
+    t = ds / xs
+
+    def c(v):
+        v2 = 1.0 / (v * v)
+        return (1.0 / 12.0 - v2 * (1.0 / 360.0 - v2 / 1260.0)) / v
+
+    stirling = xs * _phi(t) - 0.5 * jnp.log1p(t) + c(xs + ds) - c(xs)
+    # one gammaln call on stacked arguments: each call site expands to a large XLA kernel
+    lg = gammaln(jnp.stack([jnp.where(big, 1.0, y), jnp.where(big, 1.0, x)]))
+    return jnp.where(big, stirling, lg[0] - lg[1] - d * jnp.log(x))
+
+
+def _bessel_log_ratio(n: Array, mode: Array, nu: Array, a: Array) -> Array:
+    """``log p(n) - log p(M)`` (``M = mode``) of the Bessel pmf ``p(n) ~ (a/2)^(2n) / (n! Gamma(n +
+    nu + 1))``, ``-inf`` below the support.
+
+    With ``d = n - M``, ``x1 = M + 1``, ``x2 = M + nu + 1``: ``d log(q) - C(x1, d) - C(x2, d)``,
+    ``q = (a/2)^2 / (x1 x2)`` (the pmf ratio at the mode, near 1) and ``C`` from
+    :func:`_lgamma_curvature`. Every term is of the size of the result, so the ratio keeps its
+    digits in float32 for counts in the millions, where ``log p`` itself (about 1e7) cannot.
+    """
     safe = jnp.maximum(n, 0.0)
-    lg = gammaln(jnp.stack(jnp.broadcast_arrays(safe + 1, safe + nu + 1)))
-    out = 2 * safe * log_half_a - lg[0] - lg[1]
+    d, x1, x2 = jnp.broadcast_arrays(safe - mode, mode + 1, mode + nu + 1)
+    half = a / 2
+    log_q = jnp.log((half / x1) * (half / x2))
+    curvature = _lgamma_curvature(jnp.stack([x1, x2]), jnp.stack([d, d]))
+    out = d * log_q - curvature[0] - curvature[1]
     return jnp.where(n >= 0, out, -jnp.inf)
 
 
@@ -277,9 +327,9 @@ def bessel_mode(nu: ArrayLike, a: ArrayLike) -> Array:
 
 
 def _bessel_envelope(nu: Array, a: Array):
-    """Dominating function of the log-concave Bessel pmf: a flat piece on ``[L, R]`` around the
-    mode and geometric tails beyond, along the chords at ``L`` and ``R``."""
-    lh = jnp.log(a / 2)
+    """Dominating function of the log-concave Bessel pmf, in units of ``log p - log p(mode)``: a
+    flat piece on ``[L, R]`` around the mode and geometric tails beyond, along the chords at ``L``
+    and ``R``."""
     mode = bessel_mode(nu, a)
     # curvature of log p at the mode: 1/(M+1) + 1/(M+nu+1); about one standard deviation
     var = 1.0 / (1.0 / (mode + 1) + 1.0 / (mode + nu + 1))
@@ -289,7 +339,7 @@ def _bessel_envelope(nu: Array, a: Array):
     points = jnp.stack([mode - 1, mode, mode + 1, mode + 2, right, right + 1, left, left - 1])
     # the barrier keeps XLA from duplicating the (large) lgamma kernel into every consumer,
     # which multiplied the compile time
-    f = lax.optimization_barrier(_bessel_log_weight(points, nu, lh))
+    f = lax.optimization_barrier(_bessel_log_ratio(points, mode, nu, a))
     # max over mode - 1..mode + 1 guards against rounding of the mode formula
     height = jnp.max(f[:3], axis=0)
     # The right tail needs a slope s_R clearly below 0. For sd >= 1 the chord at mode + sd has
@@ -308,7 +358,8 @@ def _bessel_envelope(nu: Array, a: Array):
     log_w_mid = jnp.log(right - left + 1) + height
     log_w_right = f_right + s_right - jnp.log(-jnp.expm1(s_right))
     log_w_left = jnp.where(has_left, f_left - s_left - jnp.log(-jnp.expm1(-s_left)), -jnp.inf)
-    return lh, left, right, height, f_left, f_right, s_left, s_right, (log_w_left, log_w_mid, log_w_right)
+    log_w = (log_w_left, log_w_mid, log_w_right)
+    return mode, left, right, height, f_left, f_right, s_left, s_right, log_w
 
 
 def sample_bessel(
@@ -323,9 +374,10 @@ def sample_bessel(
     ``lax.while_loop``; the second output is ``False`` where ``max_iter`` proposals were all
     rejected (probability below 1e-25 at the default), and those draws are ``-1``.
 
-    The log pmf is evaluated in the dtype of ``nu`` and ``a``: in float32 its rounding (about
-    1e-7 of ``a log a``) is negligible for ``a`` up to about 1e4; pass float64 (under
-    ``jax.enable_x64``) beyond.
+    The envelope and the acceptance test use ``log p(n) - log p(mode)``, written so that every
+    term is of the size of the result (:func:`_bessel_log_ratio`): in float32 it is accurate to
+    about 1e-4 for ``nu`` and ``a`` in the millions, where ``log p`` itself (about 1e7) has no
+    digits left.
 
     >>> import jax
     >>> x, ok = sample_bessel(jax.random.PRNGKey(0), 2.5, 30.0, (1000,))
@@ -336,7 +388,7 @@ def sample_bessel(
     shape = tuple(shape)
     nu = jnp.broadcast_to(jnp.asarray(nu, dtype), shape)
     a = jnp.broadcast_to(jnp.asarray(a, dtype), shape)
-    lh, left, right, height, f_left, f_right, s_left, s_right, log_w = _bessel_envelope(nu, a)
+    mode, left, right, height, f_left, f_right, s_left, s_right, log_w = _bessel_envelope(nu, a)
     log_w = jnp.stack(log_w)
     log_total = jax.nn.logsumexp(log_w, axis=0)
     cum_left = jnp.exp(log_w[0] - log_total)
@@ -356,7 +408,7 @@ def sample_bessel(
         env = jnp.where(
             in_left, f_left - j_left * s_left, jnp.where(in_mid, height, f_right + j_right * s_right)
         )
-        accept = (k >= 0) & (jnp.log(u_acc) <= _bessel_log_weight(k, nu, lh) - env)
+        accept = (k >= 0) & (jnp.log(u_acc) <= _bessel_log_ratio(k, mode, nu, a) - env)
         return k, accept
 
     def cond(carry):
