@@ -16,7 +16,7 @@ def _run(kept, max_stalls):
     def sweep(carry, kept_now):
         x, stalls = carry
         stalls = jnp.where(kept_now, stalls + 1, 0)
-        stuck = jax.vmap(lambda s: raise_if_stuck(s, max_stalls, ("the first update", "the second update"), "kept", "Advice."))(stalls)
+        stuck = jax.vmap(lambda s: raise_if_stuck(s, max_stalls, "Kernel", ("first update", "second update"), "kept", "Advice."))(stalls)
         return (jnp.where(stuck, -1.0, x + 1.0), stalls), None
 
     chains = kept.shape[1]
@@ -29,8 +29,8 @@ def test_isolated_kept_values_pass_and_a_stuck_chain_fails():
     kept = jnp.zeros((30, 3, 2), bool).at[::2, 1, 0].set(True)  # every other sweep: never 3 in a row
     assert _run(kept, 3).tolist() == [30.0, 30.0, 30.0]
     stuck = kept.at[10:13, 2, 1].set(True)
-    with pytest.raises((RuntimeError, ValueError), match=r"the second update kept in 3 sweeps in a row for chain\(s\) \[2\] .* stuck. Advice."):
+    with pytest.raises((RuntimeError, ValueError), match=r"Kernel: the second update kept in 3 sweeps in a row for chain\(s\) \[2\] .* stuck. Advice."):
         jax.block_until_ready(_run(stuck, 3))
     both = stuck.at[20:23, 0, 0].set(True).at[10:13, 0, 0].set(True)
-    with pytest.raises((RuntimeError, ValueError), match=r"the first update and the second update kept in 3 sweeps in a row for chain\(s\) \[0, 2\]"):
+    with pytest.raises((RuntimeError, ValueError), match=r"Kernel: the first update and the second update kept in 3 sweeps in a row for chain\(s\) \[0, 2\]"):
         jax.block_until_ready(_run(both, 3))

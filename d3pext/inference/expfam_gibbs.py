@@ -343,14 +343,15 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
         return ExpFamGibbsState(z, next_key, rejections, stalls)
 
     def _raise_if_stuck(self, stalls: jax.Array) -> jax.Array:
-        updates = [f"ExpFamGibbs: the statistic update of release {b.release!r}" for b in self._blocks]
+        updates = [f"statistic update of release {b.release!r}" for b in self._blocks]
         advice = (
             "Most likely the release is far outside the values a statistic of the model's number of "
             "records can take (e.g. a count well below 0 or above n with little noise): check the "
             "release, its noise scale and the number of records."
         )
         max_stalls = min(b.max_stalls for b in self._blocks)
-        return raise_if_stuck(stalls, max_stalls, updates, "drew no statistic in its range in max_rejections draws", advice)
+        failed = "drew no statistic in its range in max_rejections draws"
+        return raise_if_stuck(stalls, max_stalls, "ExpFamGibbs", updates, failed, advice)
 
     def _sweep(self, z, draws: SweepDraws, model_args, model_kwargs):
         z = dict(z)

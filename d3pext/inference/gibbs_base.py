@@ -21,7 +21,7 @@ DEFAULT_MAX_STALLS = 20
 
 
 def raise_if_stuck(
-    stalls: jax.Array, max_stalls: int, updates: Sequence[str], failed: str, advice: str
+    stalls: jax.Array, max_stalls: int, kernel: str, updates: Sequence[str], failed: str, advice: str
 ) -> jax.Array:
     """Raise on the host if one chain's capped rejection step kept its value ``max_stalls`` sweeps in
     a row; returns ``False`` (feed it into the draws, or JAX removes the check as dead code).
@@ -32,7 +32,8 @@ def raise_if_stuck(
 
     :param stalls: ``(len(updates),)`` per chain: consecutive sweeps in which each update kept its
         value.
-    :param updates: the updates' names (``"Kernel: the ... update"``), for the message.
+    :param kernel: the kernel's name, for the message.
+    :param updates: the updates' names (``"statistic update"``), for the message.
     :param failed: what each kept value means (``"found no feasible draw in 100 proposals"``).
     :param advice: the likely cause and what to do.
 
@@ -47,9 +48,9 @@ def raise_if_stuck(
         stuck = np.asarray(counts).reshape(-1, len(updates)) >= max_stalls
         chains = np.flatnonzero(stuck.any(1))
         if chains.size:
-            names = " and ".join(n for n, s in zip(updates, stuck.any(0)) if s)
+            names = " and the ".join(n for n, s in zip(updates, stuck.any(0)) if s)
             raise RuntimeError(
-                f"{names} {failed} in {max_stalls} sweeps in a row for chain(s) {chains.tolist()} "
+                f"{kernel}: the {names} {failed} in {max_stalls} sweeps in a row for chain(s) {chains.tolist()} "
                 "(index over the vectorised chains; over releases x chains in sample_releases), so "
                 f"the chain is stuck. {advice}"
             )

@@ -560,10 +560,7 @@ def nig_posterior(s, n, prior: RegressionNIG):
 # Conditional updates (one chain; vmapped by the caller)
 
 
-_UPDATES = (
-    "Constrained regression: the statistic update S | theta, sigma^2, omega^2",
-    "the parameter update (theta, sigma^2) | S",
-)
+_UPDATES = ("statistic update S | theta, sigma^2, omega^2", "parameter update (theta, sigma^2) | S")
 
 
 def _fail_if_stalled(stalls: jax.Array, max_stalls: int, max_tries: int) -> jax.Array:
@@ -573,7 +570,8 @@ def _fail_if_stalled(stalls: jax.Array, max_stalls: int, max_tries: int) -> jax.
         "the bounds and the release, or use constrained=False. Otherwise raise max_tries or max_stalls "
         "(private_constrained_regression(..., max_tries=..., max_stalls=...))."
     )
-    return raise_if_stuck(stalls, max_stalls, _UPDATES, f"found no feasible draw in {max_tries} proposals", advice)
+    failed = f"found no feasible draw in {max_tries} proposals"
+    return raise_if_stuck(stalls, max_stalls, "Constrained regression", _UPDATES, failed, advice)
 
 
 def _psd_2x2(a, b, c):
