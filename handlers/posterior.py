@@ -301,6 +301,8 @@ def private_posterior(
     >>> samples = mcmc.get_samples()
     >>> sorted(samples)
     ['theta', 'x_dp_noise_var', 'x_dp_stat']
+    >>> mcmc.last_state.releases["x_dp"].shape  # the release travels in the state, per chain
+    (4,)
     >>> bool(0.35 < samples["theta"].mean() < 0.47)
     True
     """

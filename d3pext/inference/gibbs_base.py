@@ -41,6 +41,11 @@ def raise_if_stuck(
     stuck, so it costs nothing otherwise; under ``vmap`` it receives the counts of all chains (hence
     the chain indices). JAX re-raises the error from the run as a ``JaxRuntimeError`` (a
     ``RuntimeError``; some dispatch paths surface it as a ``ValueError``).
+
+    >>> import jax.numpy as jnp
+    >>> stalls = jnp.array([3, 0])  # the first update kept its value in the last 3 sweeps
+    >>> bool(raise_if_stuck(stalls, 20, "MyKernel", ("first update", "second update"), "kept", ""))
+    False
     """
 
     def report(counts):
