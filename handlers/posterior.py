@@ -144,6 +144,7 @@ class PrivatePosterior(MCMCKernel):
         self.inner: MCMCKernel | None = None
         self.backend: Backend | None = None
         self._batched = False
+        self._release_values: dict[str, jax.Array] | None = None
 
     @property
     def model(self) -> Callable:
@@ -192,7 +193,10 @@ class PrivatePosterior(MCMCKernel):
         return compiled(rng_key, init_params, self._releases())
 
     def _releases(self) -> dict[str, jax.Array]:
-        return {k: jnp.asarray(v) for k, v in self._data.items()}
+        """The release values as arrays (converted once: the structure key reads their types)."""
+        if self._release_values is None:
+            self._release_values = {k: jnp.asarray(v) for k, v in self._data.items()}
+        return self._release_values
 
     def _compiled_init(self, num_warmup, model_args, model_kwargs) -> Callable:
         """The jitted init: shared by the kernels of one structure (which then share ``inner``),

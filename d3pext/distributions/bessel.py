@@ -292,22 +292,26 @@ def _lgamma_curvature(x: Array, d: Array) -> Array:
     return jnp.where(big, stirling, lg[0] - lg[1] - d * jnp.log(x))
 
 
-def _bessel_log_ratio(n: Array, mode: Array, nu: Array, a: Array) -> Array:
+def _bessel_log_ratio(n: Array, mode: Array, nu: Array, log_q: Array) -> Array:
     """``log p(n) - log p(M)`` (``M = mode``) of the Bessel pmf ``p(n) ~ (a/2)^(2n) / (n! Gamma(n +
     nu + 1))``, ``-inf`` below the support.
 
     With ``d = n - M``, ``x1 = M + 1``, ``x2 = M + nu + 1``: ``d log(q) - C(x1, d) - C(x2, d)``,
-    ``q = (a/2)^2 / (x1 x2)`` (the pmf ratio at the mode, near 1) and ``C`` from
-    :func:`_lgamma_curvature`. Every term is of the size of the result, so the ratio keeps its
+    ``log_q = log((a/2)^2 / (x1 x2))`` (the pmf ratio at the mode, near 1: :func:`_log_mode_ratio`)
+    and ``C`` from :func:`_lgamma_curvature`. Every term is of the size of the result, so the ratio keeps its
     digits in float32 for counts in the millions, where ``log p`` itself (about 1e7) cannot.
     """
     safe = jnp.maximum(n, 0.0)
     d, x1, x2 = jnp.broadcast_arrays(safe - mode, mode + 1, mode + nu + 1)
-    half = a / 2
-    log_q = jnp.log((half / x1) * (half / x2))
     curvature = _lgamma_curvature(jnp.stack([x1, x2]), jnp.stack([d, d]))
     out = d * log_q - curvature[0] - curvature[1]
     return jnp.where(n >= 0, out, -jnp.inf)
+
+
+def _log_mode_ratio(mode: Array, nu: Array, a: Array) -> Array:
+    """``log((a/2)^2 / ((M + 1)(M + nu + 1)))``, as the log of a product of two ratios near 1."""
+    half = a / 2
+    return jnp.log((half / (mode + 1)) * (half / (mode + nu + 1)))
 
 
 def bessel_mode(nu: ArrayLike, a: ArrayLike) -> Array:
@@ -339,7 +343,8 @@ def _bessel_envelope(nu: Array, a: Array):
     points = jnp.stack([mode - 1, mode, mode + 1, mode + 2, right, right + 1, left, left - 1])
     # the barrier keeps XLA from duplicating the (large) lgamma kernel into every consumer,
     # which multiplied the compile time
-    f = lax.optimization_barrier(_bessel_log_ratio(points, mode, nu, a))
+    log_q = _log_mode_ratio(mode, nu, a)
+    f = lax.optimization_barrier(_bessel_log_ratio(points, mode, nu, log_q))
     # max over mode - 1..mode + 1 guards against rounding of the mode formula
     height = jnp.max(f[:3], axis=0)
     # The right tail needs a slope s_R clearly below 0. For sd >= 1 the chord at mode + sd has
@@ -359,7 +364,7 @@ def _bessel_envelope(nu: Array, a: Array):
     log_w_right = f_right + s_right - jnp.log(-jnp.expm1(s_right))
     log_w_left = jnp.where(has_left, f_left - s_left - jnp.log(-jnp.expm1(-s_left)), -jnp.inf)
     log_w = (log_w_left, log_w_mid, log_w_right)
-    return mode, left, right, height, f_left, f_right, s_left, s_right, log_w
+    return mode, log_q, left, right, height, f_left, f_right, s_left, s_right, log_w
 
 
 def sample_bessel(
@@ -388,7 +393,7 @@ def sample_bessel(
     shape = tuple(shape)
     nu = jnp.broadcast_to(jnp.asarray(nu, dtype), shape)
     a = jnp.broadcast_to(jnp.asarray(a, dtype), shape)
-    mode, left, right, height, f_left, f_right, s_left, s_right, log_w = _bessel_envelope(nu, a)
+    mode, log_q, left, right, height, f_left, f_right, s_left, s_right, log_w = _bessel_envelope(nu, a)
     log_w = jnp.stack(log_w)
     log_total = jax.nn.logsumexp(log_w, axis=0)
     cum_left = jnp.exp(log_w[0] - log_total)
@@ -408,7 +413,7 @@ def sample_bessel(
         env = jnp.where(
             in_left, f_left - j_left * s_left, jnp.where(in_mid, height, f_right + j_right * s_right)
         )
-        accept = (k >= 0) & (jnp.log(u_acc) <= _bessel_log_ratio(k, mode, nu, a) - env)
+        accept = (k >= 0) & (jnp.log(u_acc) <= _bessel_log_ratio(k, mode, nu, log_q) - env)
         return k, accept
 
     def cond(carry):

@@ -334,12 +334,13 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
         if draws.num_pairs != counter.num_pairs:
             raise RuntimeError("ExpFamGibbs: the sweep used more or fewer variates than counted.")
         stalls = state.stalls
-        if any(k is not None for k in kept):  # some statistic is drawn by capped rejection
+        capped = [blk.stat for blk, k in zip(self._blocks, kept) if k is not None]
+        if capped:  # some statistic is drawn by capped rejection
             kept = jnp.stack([jnp.bool_(False) if k is None else k for k in kept])
             stalls = jnp.where(kept, stalls + 1, 0)
-            # always False (it raises otherwise); fed into the draws so that JAX keeps the check
+            # always False (it raises otherwise); fed into a draw so that JAX keeps the check
             stuck = self._raise_if_stuck(stalls)
-            z = {k: jnp.where(stuck, state.z[k], v) if k in state.z else v for k, v in z.items()}
+            z[capped[0]] = jnp.where(stuck, state.z[capped[0]], z[capped[0]])
         return ExpFamGibbsState(z, next_key, rejections, stalls)
 
     def _raise_if_stuck(self, stalls: jax.Array) -> jax.Array:
