@@ -110,6 +110,15 @@ def test_bessel_sampler_gof_for_counts_in_the_millions_float32():
         assert chi_square_pvalue(np.asarray(x[:, j]), *bessel_pmf_table(*g)) > GOF_THRESHOLD / len(MILLIONS), g
 
 
+def test_bessel_sampler_at_an_argument_far_below_the_order_float32():
+    # (a / 2)^2 / ((M + 1)(M + nu + 1)) underflows in float32 here; its log was -inf, and 0 * -inf
+    # at the mode made every proposal fail. The pmf is all at 0 (p(1) / p(0) = (a/2)^2 / (nu + 1))
+    nu = jnp.array([5.0, 1e6, 0.0, 3.0], jnp.float32)
+    a = jnp.array([4.6e-19, 2e-16, 1e-30, 1.2e-38], jnp.float32)
+    x, ok = sample_bessel(jax.random.PRNGKey(0), nu, a, (1000, 4))
+    assert bool(ok.all()) and int(np.asarray(x).max()) == 0
+
+
 EXTREMES = [(0.0, 1e-6), (7.0, 1e-3), (0.0, 1e4), (200.0, 5e4)]
 
 

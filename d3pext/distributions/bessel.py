@@ -304,14 +304,19 @@ def _bessel_log_ratio(n: Array, mode: Array, nu: Array, log_q: Array) -> Array:
     safe = jnp.maximum(n, 0.0)
     d, x1, x2 = jnp.broadcast_arrays(safe - mode, mode + 1, mode + nu + 1)
     curvature = _lgamma_curvature(jnp.stack([x1, x2]), jnp.stack([d, d]))
-    out = d * log_q - curvature[0] - curvature[1]
+    # d = 0 at the mode itself, where log_q may be -inf (a far below the counts)
+    out = jnp.where(d == 0, 0.0, d * log_q) - curvature[0] - curvature[1]
     return jnp.where(n >= 0, out, -jnp.inf)
 
 
 def _log_mode_ratio(mode: Array, nu: Array, a: Array) -> Array:
-    """``log((a/2)^2 / ((M + 1)(M + nu + 1)))``, as the log of a product of two ratios near 1."""
+    """``log((a/2)^2 / ((M + 1)(M + nu + 1)))``, as the log of a product of two ratios near 1, or
+    the sum of their logs where the product underflows (``a`` tiny against ``nu``)."""
     half = a / 2
-    return jnp.log((half / (mode + 1)) * (half / (mode + nu + 1)))
+    r1, r2 = half / (mode + 1), half / (mode + nu + 1)
+    product = r1 * r2
+    normal = product >= jnp.finfo(product.dtype).tiny
+    return jnp.where(normal, jnp.log(jnp.where(normal, product, 1.0)), jnp.log(r1) + jnp.log(r2))
 
 
 def bessel_mode(nu: ArrayLike, a: ArrayLike) -> Array:

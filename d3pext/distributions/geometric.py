@@ -283,17 +283,21 @@ class GeometricNoisedPoisson(Distribution):
         kp = jnp.maximum(k, 0.0)
         # y <= k (only for k >= 0): alpha^k e^{mu/alpha - mu} P(Pois(mu/alpha) <= k)
         x = mu / alpha
+        # Probabilities below the smallest normal number count as underflowed: subnormal results
+        # keep few digits, and a GPU flushes parts of their computation to zero (a float64 log pmf
+        # 2e-3 off on an H100 where the survival below was about 1e-315).
+        tiny = jnp.finfo(dtype).tiny
         cdf = gammaincc(kp + 1, x)
-        low = k * la + mu * (1 / alpha - 1) + jnp.log(jnp.where(cdf > 0, cdf, 1.0))
+        low = k * la + mu * (1 / alpha - 1) + jnp.log(jnp.where(cdf >= tiny, cdf, 1.0))
         # where that CDF underflows, sum the lower tail down from its last term:
         # P(Pois(x) <= k) = Pois(k; x) sum_j prod_{i<j} (k - i) / x
-        low = jnp.where(cdf > 0, low, k * la + mu * (1 / alpha - 1) + _log_poisson_lower_tail(kp, x))
+        low = jnp.where(cdf >= tiny, low, k * la + mu * (1 / alpha - 1) + _log_poisson_lower_tail(kp, x))
         low = jnp.where(k >= 0, low, -jnp.inf)
         # y > k, y >= 0: alpha^{-k} e^{-mu (1 - alpha)} P(Pois(alpha mu) > max(k, -1))
         z = alpha * mu
         survival = jnp.where(k >= 0, gammainc(kp + 1, z), 1.0)
         log_survival = jnp.where(
-            survival > 0, jnp.log(jnp.where(survival > 0, survival, 1.0)), _log_poisson_upper_tail(kp, z)
+            survival >= tiny, jnp.log(jnp.where(survival >= tiny, survival, 1.0)), _log_poisson_upper_tail(kp, z)
         )
         high = -k * la - mu * (1 - alpha) + log_survival
         log_norm = jnp.log(-jnp.expm1(la)) - jnp.logaddexp(0.0, la)

@@ -82,6 +82,23 @@ def _float() -> Any:
     return jnp.result_type(float)
 
 
+def _binomial_split(key: Array, n: Array, rate: Array, other: Array) -> Array:
+    """``k ~ Binomial(n, rate / (rate + other))``: the share of ``n`` Poisson events from ``rate``.
+
+    The binomial is drawn for the smaller share, with its probability computed directly (at
+    counts of 1e6 and noise rates near 1, ``1 - p`` is about 1e-6, which ``p`` in float32 keeps
+    to a few per cent only), and never at a probability of 0 or 1: there JAX's inversion
+    algorithm divides by ``log1p(-p) = 0``, and on a GPU (signed zeros lost) it returned NaN,
+    which the counts then kept as 0 for the rest of the chain.
+    """
+    rate_smaller = rate <= other
+    p = jnp.where(rate_smaller, rate, other) / (rate + other)  # <= 1/2
+    degenerate = ~(p > 0)  # a share of 0 (or NaN): no events from the smaller rate
+    k = random.binomial(key, n, jnp.where(degenerate, 0.5, p), jnp.shape(n), n.dtype)
+    k = jnp.where(degenerate, 0.0, k)
+    return jnp.where(rate_smaller, k, n - k)
+
+
 def sample_true_counts(
     rng_key: Array, release: ArrayLike, rate: ArrayLike, noise_rates: ArrayLike, log_alpha: ArrayLike
 ) -> tuple[Array, Array, Array]:
@@ -117,8 +134,7 @@ def sample_true_counts(
     y_plus = jnp.where(y_t <= 0, m, m + y_t)
     g_minus = jnp.where(y_t <= 0, m - y_t, m)
     # eq. 15: y+ = y + g+ is a sum of Poissons with rates mu and lambda+
-    p = jnp.where(mu > 0, mu / jnp.maximum(mu + lam[..., 0], tiny), 0.0)
-    y = random.binomial(key_y, jnp.maximum(y_plus, 0.0), p, shape, dtype)
+    y = _binomial_split(key_y, jnp.maximum(y_plus, 0.0), mu, lam[..., 0])
     g_plus = y_plus - y
     # eq. 16: Gamma(1 + g, rate (1 - alpha)/alpha + 1 = 1/alpha)
     g = jnp.stack([g_plus, g_minus], axis=-1)
