@@ -138,7 +138,8 @@ def _successive_conditional(inner, key, num, steps):
             z, y_t = carry
             key_sweep, key_noise = random.split(key)
             kwargs = {**HYPER, RELEASES_KWARG: {"counts_dp": y_t}}
-            state = inner.sample(CountGibbsState(z, key_sweep, jnp.zeros((), jnp.int32)), (D, V, K), kwargs)
+            zero = jnp.zeros((), jnp.int32)
+            state = inner.sample(CountGibbsState(z, key_sweep, zero, zero), (D, V, K), kwargs)
             z = state.z
             g = random.poisson(key_noise, z["counts_dp_noise_rates"])
             return (z, z["counts"] + g[..., 0] - g[..., 1]), None
@@ -401,6 +402,25 @@ def test_conjugate_rate_update_detected():
 
     private = privatize_counts(shared, site="y", mechanism=GeometricMechanism.from_alpha(CONJ_ALPHA))
     assert type(PrivatePosterior(private, data, "gibbs").prepare(args)).__name__ == "Gibbs"
+
+
+def test_a_chain_whose_bessel_draws_keep_failing_fails_the_run():
+    # non-finite noise rates (what JAX's binomial at p = 1 produced on a GPU) make every Bessel
+    # draw of the cell fail; the counts were then kept silently for the rest of the run
+    args, kwargs = (CONJ_RELEASE.size,), {RELEASES_KWARG: {"y_dp": CONJ_RELEASE}}
+    inner = PrivatePosterior(_poisson_private(), {"y_dp": CONJ_RELEASE}, "gibbs").prepare(args)
+    kernel = CountGibbs(inner.model, inner.blocks, max_stalls=3)
+    state = kernel.init(random.PRNGKey(0), 0, None, args, kwargs)
+    site = inner.blocks[0].noise_rates
+    state = state._replace(z={**state.z, site: state.z[site].at[2, 0].set(jnp.nan)})
+    sweep = jax.jit(lambda st: kernel.sample(st, args, kwargs))
+    for _ in range(2):  # failures below max_stalls in a row pass, and are counted
+        state = sweep(state)
+        assert int(state.num_failures) == 1
+    with pytest.raises((RuntimeError, ValueError), match=r"CountGibbs: the count update .* 3 sweeps in a row"):
+        jax.block_until_ready(sweep(state))
+    with pytest.raises(ValueError, match="max_stalls"):
+        CountGibbs(inner.model, inner.blocks, max_stalls=0)
 
 
 def _poisson_private():

@@ -53,7 +53,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.primitives import Messenger
 
 from d3pext.distributions import sample_bessel
-from d3pext.inference.gibbs_base import ConstrainedGibbsKernel
+from d3pext.inference.gibbs_base import DEFAULT_MAX_STALLS, ConstrainedGibbsKernel, raise_if_stuck
 from d3pext.inference.registry import NotApplicable, PrivateModel
 from d3pext.releases.counts import check_counts
 from d3pext.releases.info import ReleaseInfo
@@ -199,11 +199,13 @@ class CountGibbsState(NamedTuple):
     - **rng_key** - random key for the next sweep.
     - **num_failures** - counts kept at their previous value in the last sweep because the Bessel
       sampler ran out of proposals (probability below 1e-25 per count; should stay 0).
+    - **stalls** - sweeps in a row with such a failure; the run fails at ``max_stalls``.
     """
 
     z: dict[str, Array]
     rng_key: Array
     num_failures: Array
+    stalls: Array
 
 
 def _poisson(fn: dist.Distribution) -> dist.Poisson:
@@ -246,11 +248,14 @@ class CountGibbs(ConstrainedGibbsKernel):
     ('rate',)
     """
 
-    def __init__(self, model: Callable, blocks: Sequence[CountBlock]) -> None:
+    def __init__(self, model: Callable, blocks: Sequence[CountBlock], max_stalls: int = DEFAULT_MAX_STALLS) -> None:
         if not blocks:
             raise ValueError("CountGibbs needs at least one CountBlock.")
+        if int(max_stalls) < 1:
+            raise ValueError(f"CountGibbs: max_stalls must be at least 1, got {max_stalls}.")
         self._model = model
         self._blocks = tuple(blocks)
+        self._max_stalls = int(max_stalls)
 
     @property
     def blocks(self) -> tuple[CountBlock, ...]:
@@ -289,7 +294,8 @@ class CountGibbs(ConstrainedGibbsKernel):
                 alpha = jnp.exp(jnp.asarray(blk.log_alpha, _float()))
                 mean = jnp.broadcast_to(alpha / (1 - alpha), jnp.shape(y_t))
                 z[blk.noise_rates] = jnp.stack([mean, mean], axis=-1)
-        return CountGibbsState(z, rng_key, jnp.zeros((), jnp.int32))
+        zero = jnp.zeros((), jnp.int32)
+        return CountGibbsState(z, rng_key, zero, zero)
 
     def sample(self, state, model_args, model_kwargs):
         model_kwargs = {} if model_kwargs is None else model_kwargs
@@ -321,10 +327,23 @@ class CountGibbs(ConstrainedGibbsKernel):
                 values = {name: z[name] for name in blk.updates.sites}
                 new = blk.updates(keys[2 * i + 1], values, counts)
                 z.update({name: new[name].astype(z[name].dtype) for name in blk.updates.sites})
-        return CountGibbsState(z, rng_key, failures)
+        stalls = jnp.where(failures > 0, state.stalls + 1, 0)
+        # a chain whose Bessel draws fail sweep after sweep is stuck (non-finite rates): fail loudly
+        failures = failures + _fail_if_stuck(stalls, self._max_stalls).astype(jnp.int32)
+        return CountGibbsState(z, rng_key, failures, stalls)
 
     def get_diagnostics_str(self, state) -> str:
         return f"{int(state.num_failures)} Bessel failures" if state.num_failures.ndim == 0 else ""
+
+
+def _fail_if_stuck(stalls: Array, max_stalls: int) -> Array:
+    failed = "had a Bessel draw run out of proposals"
+    advice = (
+        "That happens with probability below 1e-25 per count for finite rates, so the Poisson rates or "
+        "the noise rates of the chain are likely NaN or infinite: check the model's rate for values "
+        "that overflow, and report it if they are finite."
+    )
+    return raise_if_stuck(stalls[..., None], max_stalls, "CountGibbs", ("count update",), failed, advice)
 
 
 def _gamma(fn: dist.Distribution) -> dist.Gamma | None:
@@ -500,7 +519,7 @@ def count_kernel(pm: PrivateModel, options: dict, naive: bool) -> MCMCKernel:
                 blocks[i] = dataclasses.replace(blk, conjugate=conj)
                 owned.update(conj)
     aug = augment_counts(pm.model, pm.releases, naive=naive)
-    kernel = CountGibbs(aug, blocks)
+    kernel = CountGibbs(aug, blocks, max_stalls=options.get("max_stalls", DEFAULT_MAX_STALLS))
     owned = set(kernel.sites)
     rest = [name for name in pm.latent if name not in owned]
     if not rest:
