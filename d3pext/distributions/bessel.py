@@ -287,9 +287,11 @@ def _lgamma_curvature(x: Array, d: Array) -> Array:
         return (1.0 / 12.0 - v2 * (1.0 / 360.0 - v2 / 1260.0)) / v
 
     stirling = xs * _phi(t) - 0.5 * jnp.log1p(t) + c(xs + ds) - c(xs)
-    # one gammaln call on stacked arguments: each call site expands to a large XLA kernel
+    # one gammaln call on stacked arguments (each call site expands to a large XLA kernel), combined
+    # by a sum over the stacked axis: XLA copied the kernel into the consumer of each slice
     lg = gammaln(jnp.stack([jnp.where(big, 1.0, y), jnp.where(big, 1.0, x)]))
-    return jnp.where(big, stirling, lg[0] - lg[1] - d * jnp.log(x))
+    sign = jnp.array([1.0, -1.0], lg.dtype).reshape((2,) + (1,) * x.ndim)
+    return jnp.where(big, stirling, jnp.sum(lg * sign, axis=0) - d * jnp.log(x))
 
 
 def _bessel_log_ratio(n: Array, mode: Array, nu: Array, log_q: Array) -> Array:
@@ -304,8 +306,9 @@ def _bessel_log_ratio(n: Array, mode: Array, nu: Array, log_q: Array) -> Array:
     safe = jnp.maximum(n, 0.0)
     d, x1, x2 = jnp.broadcast_arrays(safe - mode, mode + 1, mode + nu + 1)
     curvature = _lgamma_curvature(jnp.stack([x1, x2]), jnp.stack([d, d]))
-    # d = 0 at the mode itself, where log_q may be -inf (a far below the counts)
-    out = jnp.where(d == 0, 0.0, d * log_q) - curvature[0] - curvature[1]
+    # d = 0 at the mode itself, where log_q may be -inf (a far below the counts); the sum (not two
+    # slices) keeps XLA from compiling the curvature once per slice
+    out = jnp.where(d == 0, 0.0, d * log_q) - jnp.sum(curvature, axis=0)
     return jnp.where(n >= 0, out, -jnp.inf)
 
 
