@@ -4,6 +4,8 @@
 #   bash benchmarks/gpu.sh [OUT_DIR]          # on a machine with a GPU and JAX's CUDA plugin
 #   SMALL=1 bash benchmarks/gpu.sh /tmp/out   # the same steps at toy sizes (checks the script on a CPU)
 #   TESTS=1 bash benchmarks/gpu.sh /tmp/out   # instead: the default test set on the GPU (about 4 min on an H100)
+#   TESTS=slow bash benchmarks/gpu.sh /tmp/out   # instead: the slow tests of the exact samplers on the GPU
+#                                                # (subnormals and signed zeros differ there: session 14)
 #
 # Needs the project importable (pip install -e .); where packages are missing, wheels in .whl/ are
 # installed into /tmp/site first (numpyro, fourier-accountant, dp-accounting, flowjax and their pure
@@ -33,6 +35,14 @@ step() {  # step NAME SECONDS COMMAND...
     grep -v "^===" "$out/$name.log" | tail -n 40
 }
 
+if [ "${TESTS:-}" = slow ]; then
+    # the samplers' statistical and exactness checks (slow-marked) on the GPU, 12 workers, one test at a time
+    step slow_tests 450 python3 -m pytest -q -n 12 -p no:cacheprovider --junitxml="$out/gpu_slow_tests.xml" \
+        tests/test_bessel.py tests/test_counts.py tests/test_tgm.py tests/test_bounded.py tests/test_distributions.py \
+        tests/test_regression.py tests/test_expfam.py tests/test_accelerator_forms.py tests/test_handlers.py \
+        -o addopts="-m slow --dist load -p no:benchmark -p no:hypothesispytest"
+    exit 0
+fi
 if [ -n "${TESTS:-}" ]; then
     # The default test set on the GPU (xdist, 12 workers), less the files that need packages a bare GPU
     # image lacks (docs, notebooks, ArviZ) and the host-only accountant; JUnit XML in OUT_DIR
