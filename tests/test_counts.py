@@ -466,7 +466,7 @@ def test_counts_in_the_millions_in_float32():
 
 
 def test_the_count_split_never_draws_at_a_degenerate_probability(monkeypatch):
-    # JAX's binomial divides by log1p(-p) = 0 at p = 0 or 1; on an H100 that returned NaN, the
+    # JAX's binomial divides by log1p(-p) = 0 at p = 0 or 1; on an H100 such draws were NaN, the
     # counts kept 0 from then on, and the rate's posterior mean was 5/6 of the right one. Here
     # every probability reaching random.binomial must be in (0, 1/2], and the degenerate splits
     # are exact: all events from the rate when the other rate underflows, none when the rate is 0

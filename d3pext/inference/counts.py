@@ -87,9 +87,9 @@ def _binomial_split(key: Array, n: Array, rate: Array, other: Array) -> Array:
 
     The binomial is drawn for the smaller share, with its probability computed directly (at
     counts of 1e6 and noise rates near 1, ``1 - p`` is about 1e-6, which ``p`` in float32 keeps
-    to a few per cent only), and never at a probability of 0 or 1: there JAX's inversion
-    algorithm divides by ``log1p(-p) = 0``, and on a GPU (signed zeros lost) it returned NaN,
-    which the counts then kept as 0 for the rest of the chain.
+    to a few per cent only), and never at a probability of 0 or 1 (or within rounding of them):
+    there JAX's inversion algorithm divides by ``log1p(-p)``, which is 0, and on an H100 such
+    draws came back NaN, which the counts then kept as 0 for the rest of the chain.
     """
     rate_smaller = rate <= other
     p = jnp.where(rate_smaller, rate, other) / (rate + other)  # <= 1/2
