@@ -87,9 +87,9 @@ def _binomial_split(key: Array, n: Array, rate: Array, other: Array) -> Array:
 
     The binomial is drawn for the smaller share, with its probability computed directly (at
     counts of 1e6 and noise rates near 1, ``1 - p`` is about 1e-6, which ``p`` in float32 keeps
-    to a few per cent only), and never at a probability of 0 or 1 (or within rounding of them):
-    there JAX's inversion algorithm divides by ``log1p(-p)``, which is 0, and on an H100 such
-    draws came back NaN, which the counts then kept as 0 for the rest of the chain.
+    to a few per cent only), so its probability is in ``(0, 1/2]``: never 0, and never 1 or within
+    rounding of it, where JAX's inversion algorithm divides by ``log1p(-p) = 0`` (on an H100 the
+    old form's draws came back NaN there, and the counts kept 0 for the rest of the chain).
     """
     rate_smaller = rate <= other
     p = jnp.where(rate_smaller, rate, other) / (rate + other)  # <= 1/2
@@ -224,7 +224,9 @@ class CountGibbs(ConstrainedGibbsKernel):
     the block's :class:`CountUpdates` given the counts. Works on the augmented model of
     :class:`augment_counts`; standalone it must own every latent site, as a block of
     :class:`numpyro.infer.Gibbs` (next to NUTS) it reads the other sites from the conditioning.
-    Built by ``private_posterior(..., method="gibbs" | "naive")``.
+    Built by ``private_posterior(..., method="gibbs" | "naive")``. A chain whose Bessel draws
+    fail ``max_stalls`` sweeps in a row (non-finite rates) fails the run
+    (``PrivatePosterior(..., max_stalls=...)`` sets it; default 20).
 
     **Example**
 
