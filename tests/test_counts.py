@@ -404,6 +404,20 @@ def test_conjugate_rate_update_detected():
     assert type(PrivatePosterior(private, data, "gibbs").prepare(args)).__name__ == "Gibbs"
 
 
+def test_the_confidential_counts_are_not_drawn_before_the_run():
+    # they start from the release: a Poisson draw for them cost 2-3 s of compilation per shape (a
+    # shape of its own here, so that no earlier test has compiled it)
+    from compilations import count_compilations
+
+    release = np.arange(-2, 9)
+    args, kwargs = (release.size,), {RELEASES_KWARG: {"y_dp": release}}
+    with count_compilations() as compiled:
+        inner = PrivatePosterior(_poisson_private(), {"y_dp": release}, "gibbs").prepare(args)
+        state = inner.init(random.PRNGKey(0), 0, None, args, kwargs)
+    assert not [name for name in compiled if "poisson" in name], compiled
+    np.testing.assert_array_equal(state.z["y"], np.maximum(release, 0))
+
+
 def test_a_chain_whose_bessel_draws_keep_failing_fails_the_run():
     # non-finite noise rates (what JAX's binomial at p = 1 produced on a GPU) make every Bessel
     # draw of the cell fail; the counts were then kept silently for the rest of the run

@@ -99,6 +99,26 @@ def test_make_release_statistic_seed_and_ledger():
     assert abs(float(make_release(private_beta_binomial(1e6), 6, x, rng_key=0)["x_dp"]) - 4) < 1e-3
 
 
+class _NeverDrawnBeta(dist.Beta):
+    def sample(self, key, sample_shape=()):
+        raise AssertionError("make_release drew a parameter of the model")
+
+
+def test_make_release_does_not_draw_the_model_parameters():
+    # a release depends on the confidential data only; a prior draw would cost a compilation
+    def model(n, x=None, prior=dist.Beta):
+        theta = numpyro.sample("theta", prior(2.0, 2.0))
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Bernoulli(theta), obs=x)
+
+    x = jnp.array([1, 0, 1, 1, 0, 1])
+    mech = LaplaceMechanism(1.0)
+    never = privatize(lambda n, x: model(n, x, _NeverDrawnBeta), site="x", mechanism=mech)
+    drawn = privatize(model, site="x", mechanism=mech)
+    release = make_release(never, 6, x, rng_key=7, reproducible=True)
+    assert release == make_release(drawn, 6, x, rng_key=7, reproducible=True)
+
+
 def test_bad_input_errors():
     with pytest.raises(ValueError, match="unbounded"):
         _release_info(privatize(_exp_model, site="x", mechanism=LaplaceMechanism(1.0)), 5)

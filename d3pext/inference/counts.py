@@ -48,13 +48,13 @@ from numpyro.distributions.distribution import ExpandedDistribution, Independent
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer import NUTS, Gibbs
 from numpyro.infer.gibbs import conditioned
-from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.mcmc import MCMCKernel
 from numpyro.primitives import Messenger
 
 from d3pext.distributions import sample_bessel
 from d3pext.inference.gibbs_base import DEFAULT_MAX_STALLS, ConstrainedGibbsKernel, raise_if_stuck
 from d3pext.inference.registry import NotApplicable, PrivateModel
+from d3pext.inference.structure import init_to_uniform_but_confidential
 from d3pext.releases.counts import check_counts
 from d3pext.releases.info import ReleaseInfo
 
@@ -272,7 +272,7 @@ class CountGibbs(ConstrainedGibbsKernel):
         model_kwargs = {} if model_kwargs is None else dict(model_kwargs)
         rng_key, key_trace = random.split(rng_key)
         tr = trace(
-            substitute(seed(conditioned(self._model), key_trace), substitute_fn=init_to_uniform)
+            substitute(seed(conditioned(self._model), key_trace), substitute_fn=init_to_uniform_but_confidential)
         ).get_trace(*model_args, **model_kwargs)
         latent = [n for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]]
         unknown = [n for n in self.sites if n not in latent]

@@ -21,7 +21,7 @@ from numpyro.infer.initialization import init_to_uniform
 from numpyro.primitives import CondIndepStackFrame
 
 from d3pext.distributions.expfam import conjugate_parameters, record_distribution
-from d3pext.releases.info import ReleaseInfo, release_sites
+from d3pext.releases.info import CONFIDENTIAL, ReleaseInfo, release_sites
 
 __all__ = [
     "RELEASES_KWARG",
@@ -29,6 +29,7 @@ __all__ = [
     "PrivateModel",
     "Site",
     "conditioned_releases",
+    "init_to_uniform_but_confidential",
     "inspect_model",
     "released",
 ]
@@ -124,6 +125,20 @@ def _is_static(value: Any) -> bool:
     return not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(value))
 
 
+def init_to_uniform_but_confidential(msg: dict) -> jax.Array | None:
+    """NumPyro's ``init_to_uniform``, except at the confidential discrete sites of the releases:
+    zeros of their shape and dtype, which the backends replace (the counts start from their
+    releases). Drawing them would cost only a compilation (2-3 s for a Poisson draw on a CPU)."""
+    infer = msg.get("infer") or {}
+    if msg["type"] == "sample" and not msg["is_observed"] and infer.get(CONFIDENTIAL):
+        fn = msg["fn"]
+        if getattr(fn.support, "is_discrete", False):
+            sample_shape = tuple(msg["kwargs"].get("sample_shape", ()))
+            draw = jax.eval_shape(lambda key: fn.sample(key, sample_shape), random.key(0))
+            return jax.numpy.zeros(draw.shape, draw.dtype)
+    return init_to_uniform(msg)
+
+
 def inspect_model(
     model: Callable, data: Mapping[str, Any] | None, model_args: tuple, model_kwargs: dict
 ) -> PrivateModel:
@@ -140,7 +155,7 @@ def inspect_model(
 
     def run():
         tr = trace(
-            substitute(seed(conditioned_model, random.key(0)), substitute_fn=init_to_uniform)
+            substitute(seed(conditioned_model, random.key(0)), substitute_fn=init_to_uniform_but_confidential)
         ).get_trace(*model_args, **model_kwargs)
         samples = {name: site for name, site in tr.items() if site["type"] == "sample"}
         static["sites"] = {

@@ -13,7 +13,12 @@ from typing import Any
 
 from numpyro.primitives import CondIndepStackFrame
 
-__all__ = ["ReleaseInfo", "release_sites"]
+__all__ = ["CONFIDENTIAL", "ReleaseInfo", "release_sites"]
+
+
+CONFIDENTIAL = "d3pext_confidential"
+"""``infer`` key that ``privatize`` sets (to ``True``) on the confidential site it releases, so that
+the handlers outside it know the site before its release is emitted."""
 
 
 @dataclass(frozen=True)
