@@ -341,12 +341,10 @@ def simulate_network(
     >>> simulate_network(random.key(0)).counts.shape
     (20, 20)
     """
-    key_factors, key_counts = random.split(rng_key)
-    # theta (V rows) and pi (C rows) in one call: one gamma sampler to compile, not two
+    k1, k2, k3 = random.split(rng_key, 3)
     with jax.enable_x64(True):  # shape 0.01 gammas underflow in float32
-        shape = (num_actors + num_communities, num_communities)
-        factors = np.asarray(random.gamma(key_factors, a0, shape, jnp.float64)) / b0
-    theta, pi = factors[:num_actors], factors[num_actors:]
+        theta = np.asarray(random.gamma(k1, a0, (num_actors, num_communities), jnp.float64)) / b0
+        pi = np.asarray(random.gamma(k2, a0, (num_communities, num_communities), jnp.float64)) / b0
     rates = np.asarray(community_rates(theta, pi))
-    counts = np.asarray(random.poisson(key_counts, jnp.asarray(rates, jnp.float32))).astype(np.int64)
+    counts = np.asarray(random.poisson(k3, jnp.asarray(rates, jnp.float32))).astype(np.int64)
     return NetworkData(counts, theta, pi, rates)
