@@ -32,9 +32,14 @@ with it often misses the cache. Run such scripts with a fixed ``PYTHONHASHSEED``
 ``PYTHONHASHSEED=0 python fit.py``), or use ``TraceMeanField_ELBO`` where its closed-form KL applies
 (the demo's non-private fit does).
 
+Processes running at once (two notebooks, a script beside ``d3pext demo``) can share the directory:
+the cache holds at most :data:`DEFAULT_MAX_SIZE` bytes, and with a size limit JAX locks the directory
+around each read and write (``filelock``) and evicts the least recently used entries. Without a limit
+it writes entries in place, unlocked, so that another process could read one half written (JAX then
+warns and compiles again).
+
 As JAX warns, the cache is trusted code: do not point it at a directory that others can write to.
-Delete the directory to clear the cache; JAX evicts nothing by itself (see
-``jax_compilation_cache_max_size``).
+Delete the directory to clear the cache.
 
 >>> import d3pext
 >>> d3pext.enable_compile_cache  # doctest: +ELLIPSIS
@@ -49,7 +54,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, Union
 
-__all__ = ["enable_compile_cache", "default_cache_dir", "MIN_COMPILE_TIME_SECS"]
+__all__ = ["enable_compile_cache", "default_cache_dir", "DEFAULT_MAX_SIZE", "MIN_COMPILE_TIME_SECS"]
 
 DISABLE_ENV = "D3PEXT_NO_COMPILE_CACHE"
 DIR_ENV = "D3PEXT_CACHE_DIR"
@@ -61,6 +66,10 @@ Measured on ``d3pext demo`` (2 CPU cores): of its 27 s of compilation, 21 s go t
 of over a second each and 3.5 s to a dozen more of 0.1 s to 1 s; reading an entry back takes
 about 20 ms, so programs under about 0.05 s are not worth keeping.
 """
+
+
+DEFAULT_MAX_SIZE = 1 << 30
+"""Bytes the cache may hold (1 GiB); ``d3pext demo`` writes 4 entries, under 0.5 MB."""
 
 
 def _truthy(value: Optional[str]) -> bool:
@@ -86,7 +95,10 @@ def default_cache_dir() -> Path:
 
 
 def enable_compile_cache(
-    path: Union[str, os.PathLike, None] = None, *, min_compile_time_secs: float = MIN_COMPILE_TIME_SECS
+    path: Union[str, os.PathLike, None] = None,
+    *,
+    min_compile_time_secs: float = MIN_COMPILE_TIME_SECS,
+    max_size: Optional[int] = DEFAULT_MAX_SIZE,
 ) -> Optional[Path]:
     """Turn on JAX's persistent compilation cache for this process; returns its directory.
 
@@ -97,11 +109,17 @@ def enable_compile_cache(
         path: the cache directory; default ``D3PEXT_CACHE_DIR``, else a directory already set in
             JAX's configuration, else :func:`default_cache_dir`.
         min_compile_time_secs: programs compiled faster than this are not cached.
+        max_size: bytes the cache may hold, least recently used entries evicted first; a limit also
+            makes JAX lock the directory around each read and write, so that processes running at
+            once never read an entry that another is writing. ``None`` leaves JAX's setting (by
+            default no limit and no lock). A limit already set through JAX is kept.
 
     Call it before the programs you want cached are compiled; programs compiled earlier in the
     process are not written back. If JAX's cache was already in use with another directory in
     this process, JAX keeps using that one.
     """
+    if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size <= 0):
+        raise ValueError(f"max_size must be a positive number of bytes or None, got {max_size!r}.")
     if _truthy(os.environ.get(DISABLE_ENV)):
         return None
     import jax
@@ -120,4 +138,6 @@ def enable_compile_cache(
     # Cache every entry that took long enough to compile, however small (-1: no size floor; 0 would
     # let JAX pick a floor of its own).
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if max_size is not None and jax.config.jax_compilation_cache_max_size == -1:
+        jax.config.update("jax_compilation_cache_max_size", max_size)
     return directory

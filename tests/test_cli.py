@@ -263,6 +263,20 @@ def test_compile_cache_writes_entries_and_honours_the_opt_out(tmp_path):
     assert not (tmp_path / "xdg").exists()
 
 
+def test_compile_cache_is_size_limited_so_that_processes_can_share_it(tmp_path):
+    # with a size limit JAX evicts by access time and locks the directory around each read and write
+    shared = tmp_path / "shared"
+    assert _cache_run(tmp_path, "enable", D3PEXT_CACHE_DIR=str(shared)) == str(shared)
+    names = _entries(shared)
+    assert any(n.endswith("-cache") for n in names) and any(n.endswith("-atime") for n in names), names
+    assert ".lockfile" in names
+    import d3pext
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_size"):
+            d3pext.enable_compile_cache(max_size=bad)
+
+
 def test_cli_turns_the_compile_cache_on(monkeypatch):
     import d3pext.compile_cache
 
