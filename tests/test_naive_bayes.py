@@ -308,5 +308,6 @@ def test_naive_posterior_against_exact(paper_reference):
     assert ref["ess"] > 2000
     ref_mean, ref_sd = _free(ref["mean"]), _free(ref["sd"])
     naive_mean, naive_sd = _naive_moments(naive_bayes_naive_posterior(release))
-    assert np.abs(naive_mean - ref_mean).max() > 0.5 * ref_sd.max()
+    # each parameter's error in its own posterior sd (1.26 sd at worst for this release)
+    assert (np.abs(naive_mean - ref_mean) / ref_sd).max() > 0.5
     assert np.all(naive_sd < ref_sd)
