@@ -118,7 +118,8 @@ def enable_compile_cache(
     process are not written back. If JAX's cache was already in use with another directory in
     this process, JAX keeps using that one.
     """
-    if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size <= 0):
+    if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int)
+                                 or max_size <= 0):
         raise ValueError(f"max_size must be a positive number of bytes or None, got {max_size!r}.")
     if _truthy(os.environ.get(DISABLE_ENV)):
         return None

@@ -140,7 +140,8 @@ class privatize(Messenger):
 
     def process_message(self, msg: dict) -> None:
         if msg["type"] == "sample" and msg["name"] == self.site:
-            msg["infer"] = {**(msg.get("infer") or {}), CONFIDENTIAL: True}  # a copy: the model's dict stays as it is
+            # a new dict: the model's own stays as it is
+            msg["infer"] = {**(msg.get("infer") or {}), CONFIDENTIAL: True}
 
     def postprocess_message(self, msg: dict) -> None:
         if msg["type"] == "sample" and msg["name"] == self.site:
@@ -356,9 +357,9 @@ def _feasible_point(msg: dict) -> jax.Array | None:
     """A point in the support of an unobserved continuous site, found without drawing it.
 
     A release depends only on the confidential data, not on the model's parameters, so
-    :func:`make_release` does not draw them from the prior: a draw costs nothing to run but a
-    compilation per distribution and shape (about 2 s for a gamma on a CPU). Discrete sites and
-    supports without a bijection are still drawn."""
+    :func:`make_release` does not draw them from the prior: a draw takes no time to run, but
+    compiles a sampler per distribution and shape (about 2 s for a gamma on a CPU). Discrete sites
+    and supports without a bijection are still drawn."""
     if msg["type"] != "sample" or msg["is_observed"] or msg["value"] is not None:
         return None
     fn = msg["fn"]

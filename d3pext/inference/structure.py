@@ -155,7 +155,9 @@ def inspect_model(
 
     def run():
         tr = trace(
-            substitute(seed(conditioned_model, random.key(0)), substitute_fn=init_to_uniform_but_confidential)
+            substitute(
+                seed(conditioned_model, random.key(0)), substitute_fn=init_to_uniform_but_confidential
+            )
         ).get_trace(*model_args, **model_kwargs)
         samples = {name: site for name, site in tr.items() if site["type"] == "sample"}
         static["sites"] = {
