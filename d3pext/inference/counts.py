@@ -271,10 +271,10 @@ class CountGibbs(ConstrainedGibbsKernel):
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
         model_kwargs = {} if model_kwargs is None else dict(model_kwargs)
         rng_key, key_trace = random.split(rng_key)
-        init = substitute(
+        model = substitute(
             seed(conditioned(self._model), key_trace), substitute_fn=init_to_uniform_but_confidential
         )
-        tr = trace(init).get_trace(*model_args, **model_kwargs)
+        tr = trace(model).get_trace(*model_args, **model_kwargs)
         latent = [n for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]]
         unknown = [n for n in self.sites if n not in latent]
         if unknown:

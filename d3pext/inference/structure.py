@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 from jax import random
+import jax.numpy as jnp
 
 from numpyro.handlers import condition, seed, substitute, trace
 from numpyro.infer.initialization import init_to_uniform
@@ -135,7 +136,7 @@ def init_to_uniform_but_confidential(msg: dict) -> jax.Array | None:
         if getattr(fn.support, "is_discrete", False):
             sample_shape = tuple(msg["kwargs"].get("sample_shape", ()))
             draw = jax.eval_shape(lambda key: fn.sample(key, sample_shape), random.key(0))
-            return jax.numpy.zeros(draw.shape, draw.dtype)
+            return jnp.zeros(draw.shape, draw.dtype)
     return init_to_uniform(msg)
 
 
