@@ -64,30 +64,38 @@ def _collect_loop(
 ):
     """``upper`` steps of ``body_fun`` from ``init_val``; every ``thinning``-th value from
     ``lower`` on is collected (the last ``(upper - lower) // thinning``), padded with zeros to
-    ``size``. Returns ``(collection, last value)``."""
+    ``size``. Returns ``(collection, last value)``.
+
+    The sweep appears once in the program, in an inner loop whose trip count is ``start`` for the
+    first block and ``thinning`` after it: a loop for the steps before the first kept one and
+    another for the kept ones would hand XLA two copies of the sweep to compile (for a Gibbs
+    sweep with rejection loops, seconds each).
+    """
     transform = _collect_transform(postprocess_fn, collect_fields, remove_sites)
     count = (upper - lower) // thinning
     start = lower + (upper - lower) % thinning
 
     def steps(num, val):
-        return lax.fori_loop(0, num, lambda _, v: body_fun(v), val) if num else val
+        return lax.fori_loop(0, num, lambda _, v: body_fun(v), val)
 
-    val = steps(start, init_val)
+    template = jax.eval_shape(transform, init_val)
+    collection = jax.tree.map(lambda t: jnp.zeros((max(size, count), *t.shape), t.dtype), template)
+    if not count:
+        return collection, (steps(upper, init_val) if upper else init_val)
 
-    def collect(val, _):
-        val = steps(thinning, val)
-        return val, transform(val)
-
-    if count:
-        val, collection = lax.scan(collect, val, None, length=count)
-    else:
-        template = jax.eval_shape(transform, init_val)
-        collection = jax.tree.map(lambda t: jnp.zeros((0, *t.shape), t.dtype), template)
-    if size > count:  # NumPyro's convention: the entries past the collected ones are zeros
+    def block(j, carry):
+        # block 0 runs the first `start` steps (its value lands in slot 0, which block 1
+        # overwrites); block j >= 1 runs `thinning` steps and keeps the value in slot j - 1
+        val, collection = carry
+        val = steps(jnp.where(j == 0, start, thinning), val)
+        slot = jnp.maximum(j - 1, 0)
         collection = jax.tree.map(
-            lambda c: jnp.concatenate([c, jnp.zeros((size - count, *c.shape[1:]), c.dtype)]),
-            collection,
+            lambda c, x: lax.dynamic_update_index_in_dim(c, x, slot, 0), collection, transform(val)
         )
+        return val, collection
+
+    # (NumPyro's convention: the entries past the collected ones, up to `size`, are zeros)
+    val, collection = lax.fori_loop(0, count + 1, block, (init_val, collection))
     return collection, val
 
 
