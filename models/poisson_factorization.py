@@ -46,7 +46,7 @@ from jax.typing import ArrayLike
 import numpyro
 import numpyro.distributions as dist
 
-from d3pext.inference.counts import CountUpdates
+from d3pext.inference.counts import FactorizationUpdates
 from d3pext.releases.counts import HeterogeneousGeometricMechanism, check_counts, limited_precision_mechanism
 from d3pext.handlers.privatize import privatize_counts
 
@@ -74,14 +74,6 @@ def _floor(x: Array) -> Array:
     return jnp.maximum(x, jnp.finfo(x.dtype).tiny)
 
 
-def _allocate(rng_key: Array, counts: Array, rates: Array) -> Array:
-    """Multinomial allocation of ``counts[...]`` to the components ``rates[..., k]``."""
-    total = rates.sum(-1, keepdims=True)
-    probs = jnp.where(total > 0, rates / jnp.where(total > 0, total, 1.0), 1.0 / rates.shape[-1])
-    n = jnp.where(total[..., 0] > 0, counts, 0).astype(rates.dtype)
-    return random.multinomial(rng_key, n, probs)
-
-
 def _check_shape(counts, shape: tuple[int, ...], what: str) -> None:
     if counts is not None and tuple(jnp.shape(counts)) != shape:
         raise ValueError(f"{what} must have shape {shape}, got {tuple(jnp.shape(counts))}.")
@@ -98,7 +90,7 @@ def _check_hyper(a0: float, b0: float) -> None:
 
 
 @dataclass(frozen=True)
-class TopicModelUpdates(CountUpdates):
+class TopicModelUpdates(FactorizationUpdates):
     """Non-private Gibbs sweep of the topic model given the counts ``y`` (D x V):
     ``(y_dv1..y_dvK) ~ Mult(y_dv, theta_dk phi_kv / mu_dv)``, then
     ``theta_dk ~ Gamma(a0 + sum_v y_dvk, b0 + sum_v phi_kv)`` and
@@ -109,17 +101,19 @@ class TopicModelUpdates(CountUpdates):
     b0: float = 1.0
     sites: tuple[str, ...] = ("theta", "phi")
 
-    def __call__(self, rng_key, values, counts):
+    def component_rates(self, values):
+        theta, phi = (values[name] for name in self.sites)
+        return theta[:, None, :] * phi.T[None, :, :]  # (D, V, K)
+
+    def gamma_shapes(self, values, allocation):
+        # the shapes of both conditionals are known after the allocation: the standard variates are
+        # drawn at once, and the rates then scale them (theta first, phi given the new theta)
+        return self.a0 + jnp.concatenate([allocation.sum(1), allocation.sum(0)], axis=0)  # (D + V, K)
+
+    def from_gammas(self, values, allocation, gammas):
         name_theta, name_phi = self.sites
-        theta, phi = values[name_theta], values[name_phi]
-        key_alloc, key_gamma = random.split(rng_key)
-        rates = theta[:, None, :] * phi.T[None, :, :]  # (D, V, K)
-        alloc = _allocate(key_alloc, counts, rates)
-        # the shapes of both gamma conditionals are known after the allocation: one call draws
-        # the standard variates, which the rates then scale (theta first, phi given new theta)
-        num_docs = theta.shape[0]
-        shapes = self.a0 + jnp.concatenate([alloc.sum(1), alloc.sum(0)], axis=0)  # (D + V, K)
-        gammas = random.gamma(key_gamma, shapes)
+        phi = values[name_phi]
+        num_docs = allocation.shape[0]
         theta = _floor(gammas[:num_docs] / (self.b0 + phi.sum(1)))
         phi = _floor(gammas[num_docs:].T / (self.b0 + theta.sum(0))[:, None])
         return {name_theta: theta, name_phi: phi}
@@ -230,7 +224,7 @@ def simulate_topic_corpus(
 
 
 @dataclass(frozen=True)
-class CommunityModelUpdates(CountUpdates):
+class CommunityModelUpdates(FactorizationUpdates):
     """Non-private Gibbs sweep of the MMSB given the counts ``y`` (V x V, diagonal ignored):
     allocation ``(y_ijcd)_cd ~ Mult(y_ij, theta_ic theta_jd pi_cd / mu_ij)``, then actor by
     actor (sequentially: each conditional involves the other actors' current factors)
@@ -245,21 +239,25 @@ class CommunityModelUpdates(CountUpdates):
     b0: float = 1.0
     sites: tuple[str, ...] = ("theta", "pi")
 
-    def __call__(self, rng_key, values, counts):
-        name_theta, name_pi = self.sites
-        theta, pi = values[name_theta], values[name_pi]
+    def component_rates(self, values):
+        theta, pi = (values[name] for name in self.sites)
         num_actors, num_comm = theta.shape
-        key_alloc, key_gamma = random.split(rng_key)
-        offdiag = 1.0 - jnp.eye(num_actors, dtype=theta.dtype)
-        rates = (
-            theta[:, None, :, None] * theta[None, :, None, :] * pi * offdiag[:, :, None, None]
-        ).reshape(num_actors, num_actors, num_comm * num_comm)
-        alloc = _allocate(key_alloc, counts * offdiag.astype(counts.dtype), rates)
-        alloc = alloc.reshape(num_actors, num_actors, num_comm, num_comm)
+        offdiag = 1.0 - jnp.eye(num_actors, dtype=theta.dtype)  # no self-loops: the diagonal is left out
+        rates = theta[:, None, :, None] * theta[None, :, None, :] * pi * offdiag[:, :, None, None]
+        return rates.reshape(num_actors, num_actors, num_comm * num_comm)
+
+    def gamma_shapes(self, values, allocation):
+        num_actors = allocation.shape[0]
+        alloc = allocation.reshape(num_actors, num_actors, *values[self.sites[1]].shape)
         # counts of actor i in community c: as sender (i, j, c, .) and as receiver (j, i, ., c)
         shape_theta = self.a0 + alloc.sum((1, 3)) + alloc.sum((0, 2))
         shape_pi = self.a0 + alloc.sum((0, 1))
-        gammas = random.gamma(key_gamma, jnp.concatenate([shape_theta, shape_pi], axis=0))
+        return jnp.concatenate([shape_theta, shape_pi], axis=0)  # (V + C, C)
+
+    def from_gammas(self, values, allocation, gammas):
+        name_theta, name_pi = self.sites
+        theta, pi = values[name_theta], values[name_pi]
+        num_actors = theta.shape[0]
         gammas, gammas_pi = gammas[:num_actors], gammas[num_actors:]
         sym = pi + pi.T
 

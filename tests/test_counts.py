@@ -527,3 +527,77 @@ def test_conjugate_and_nuts_rate_posteriors_agree_slow():
                     chain_method="vectorized", progress_bar=False)
         mcmc.run(random.PRNGKey(4), CONJ_RELEASE.size)
         _check_rate_draws(np.asarray(mcmc.get_samples(group_by_chain=True)["rate"]), CONJ_RELEASE, CONJ_ALPHA)
+
+
+# ---------------------------------------------------------------------------------------------
+# The count split and the merged factorization sweep
+# ---------------------------------------------------------------------------------------------
+
+
+def test_split_counts_is_the_multinomial(monkeypatch):
+    # (n_1..n_K) ~ Mult(n, rates / sum rates): each share's marginal is Binomial(n, p_k), the pair
+    # (n_1, n_3) has the trinomial pmf, a zero rate gets nothing, and a count with all rates 0 is dropped
+    from d3pext.inference.counts import split_counts
+
+    seen = []
+    binomial = random.binomial
+
+    def checked(key, n, p, shape=None, dtype=float):
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), p)  # (inside the split's scan)
+        return binomial(key, n, p, shape, dtype)
+
+    monkeypatch.setattr(random, "binomial", checked)
+    rates = np.array([0.5, 0.0, 2.0, 1e-3, 3.0], np.float32)
+    n, num = 9, 40_000
+    counts = jnp.full((num,), n)
+    shares = np.asarray(split_counts(random.PRNGKey(3), counts, jnp.broadcast_to(rates, (num, 5)))).astype(int)
+    assert np.array_equal(shares.sum(1), np.full(num, n)) and not shares[:, 1].any()
+    probs = rates / rates.sum()
+    for k in (0, 2, 3, 4):
+        ks = np.arange(n + 1)
+        assert chi_square_pvalue(shares[:, k], ks, st.binom.pmf(ks, n, probs[k])) > GOF_THRESHOLD, k
+    pairs = np.array([(a, b) for a in range(n + 1) for b in range(n + 1 - a)])
+    pmf = st.multinomial.pmf(np.column_stack([pairs, n - pairs.sum(1)]), n, [probs[0], probs[2], 1 - probs[0] - probs[2]])
+    code = {tuple(p): i for i, p in enumerate(pairs)}
+    observed = np.array([code[(a, b)] for a, b in shares[:, [0, 2]].astype(int)])
+    order = np.argsort(-pmf)  # cells merged from the most probable down
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    assert chi_square_pvalue(rank[observed], np.arange(pmf.size), pmf[order]) > GOF_THRESHOLD
+    dropped = split_counts(random.PRNGKey(4), jnp.array([4, 2]), jnp.array([[0.0, 0.0], [1.0, 0.0]]))
+    assert np.array_equal(np.asarray(dropped), [[0, 0], [2, 0]])
+    p = np.concatenate([x.ravel() for x in seen])
+    assert p.size and np.all((p > 0) & (p <= 0.5)), p  # never a draw at probability 1 (or 0)
+
+
+def test_the_factorization_sweep_draws_one_binomial_and_one_gamma_sampler(monkeypatch):
+    # Schein et al.'s split of y+ and the topic allocation are one multinomial split, and the noise
+    # rates' gamma variates are drawn with the factors': a sweep compiles one sampler of each
+    import jax._src.random as jax_random
+
+    calls = []
+    binomial = jax_random.binomial
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return binomial(*args, **kwargs)
+
+    monkeypatch.setattr(jax_random, "binomial", counted)
+    monkeypatch.setattr(random, "binomial", counted)
+    inner = _geweke_kernel()
+    kwargs = {**HYPER, RELEASES_KWARG: {"counts_dp": jnp.zeros((D, V), jnp.int32)}}
+    state = inner.init(random.PRNGKey(0), 10, None, (D, V, K), kwargs)
+    jaxpr = jax.make_jaxpr(lambda s: inner.sample(s, (D, V, K), kwargs))(state)
+
+    def gammas(jaxpr):
+        found = 0
+        for eqn in jaxpr.eqns:
+            found += eqn.primitive.name == "random_gamma"
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    inner_jaxpr = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner_jaxpr, "eqns"):
+                        found += gammas(inner_jaxpr)
+        return found
+
+    assert len(calls) == 1 and gammas(jaxpr.jaxpr) == 1, (len(calls), gammas(jaxpr.jaxpr))

@@ -12,7 +12,12 @@ the count update (:func:`sample_true_counts`) is, element-wise,
 2. ``y ~ Binom(y+, mu / (mu + lambda+))`` and ``g+ = y+ - y`` (eq. 15);
 3. ``lambda* ~ Gamma(1 + g*, rate 1/alpha)`` (eq. 16; the prior rate ``(1 - alpha)/alpha`` plus 1).
 
-The model's own (non-private) updates then run on the sampled counts. :class:`CountGibbs` is the
+The model's own (non-private) updates then run on the sampled counts. Where they are those of a
+Poisson factorization (:class:`FactorizationUpdates`: the counts split among latent Poisson components,
+then gamma conditionals), steps 2 and 3 merge with them: the binomial split of ``y+`` and the
+allocation of ``y`` among the components ``mu = sum_k mu_k`` are one multinomial split of ``y+`` among
+``(lambda+, mu_1, ..., mu_K)`` (:func:`split_counts`), and the gamma variates of ``lambda*`` and of the
+factors are drawn in one call. :class:`CountGibbs` is the
 kernel; it is built by the ``private_posterior`` backends registered here:
 
 - ``"gibbs"`` / ``"schein-bessel"``: the augmentation above;
@@ -38,7 +43,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import jax
-from jax import random
+from jax import lax, random
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
@@ -63,11 +68,13 @@ __all__ = [
     "CountGibbs",
     "CountGibbsState",
     "CountUpdates",
+    "FactorizationUpdates",
     "augment_counts",
     "count_kernel",
     "noise_rate_site",
     "poisson_gamma_sites",
     "sample_true_counts",
+    "split_counts",
 ]
 
 Array = jax.Array
@@ -99,6 +106,59 @@ def _binomial_split(key: Array, n: Array, rate: Array, other: Array) -> Array:
     return jnp.where(rate_smaller, k, n - k)
 
 
+def split_counts(rng_key: Array, counts: ArrayLike, rates: ArrayLike) -> Array:
+    """``(n_1, ..., n_K) ~ Mult(counts, rates / sum(rates))`` over the last axis of ``rates``: how
+    ``counts`` Poisson events divide among independent Poisson components with these ``rates``.
+
+    One binomial per component, for its share of the events left to it and the components after it,
+    each drawn by :func:`_binomial_split` (for the smaller share, at a probability in ``(0, 1/2]``
+    computed directly): unlike ``jax.random.multinomial``, which draws the last component's share
+    at probability 1, no draw is made where JAX's binomial divides by ``log1p(-p) = 0``. Counts
+    whose rates are all 0 are dropped (every share 0). Returns floats of the rates' dtype.
+
+    >>> import jax, jax.numpy as jnp
+    >>> shares = split_counts(jax.random.key(0), jnp.array([5, 3]), jnp.array([[1.0, 0.0, 2.0], [0.0, 0.0, 0.0]]))
+    >>> shares.sum(-1), shares[0, 1], shares.shape
+    (Array([5., 0.], dtype=float32), Array(0., dtype=float32), (2, 3))
+    """
+    rates = jnp.asarray(rates)
+    rates = rates.astype(jnp.promote_types(rates.dtype, _float()))
+    counts = jnp.broadcast_to(jnp.asarray(counts).astype(rates.dtype), rates.shape[:-1])
+    rates = jnp.moveaxis(rates, -1, 0)
+    from_here = jnp.flip(jnp.cumsum(jnp.flip(rates, 0), 0), 0)  # sum over the components j >= k
+    after = jnp.concatenate([from_here[1:], jnp.zeros_like(from_here[:1])])  # j > k
+
+    def share(left, inputs):
+        key, rate, other = inputs
+        taken = _binomial_split(key, left, rate, other)
+        return left - taken, taken
+
+    keys = random.split(rng_key, rates.shape[0])
+    _, shares = lax.scan(share, jnp.where(from_here[0] > 0, counts, 0.0), (keys, rates, after))
+    return jnp.moveaxis(shares, 0, -1)
+
+
+def _bessel_step(rng_key: Array, release: Array, rate: Array, noise_rates: Array) -> tuple[Array, Array, Array]:
+    """Eqs. 13-14: ``(y+, g-, ok)`` given the release ``y~ = y+ - g-`` (floats), the counts' rates and
+    ``(lambda+, lambda-)``; ``ok`` is ``False`` where the Bessel sampler ran out of proposals."""
+    tiny = jnp.finfo(release.dtype).tiny
+    # y~ ~ Skel(lambda+ + mu, lambda-), m = min(y+, g-) ~ Bessel(|y~|, 2 sqrt(...))
+    a = jnp.maximum(2 * jnp.sqrt((noise_rates[..., 0] + rate) * noise_rates[..., 1]), tiny)
+    m, ok = sample_bessel(rng_key, jnp.abs(release), a, jnp.shape(release))
+    m = m.astype(release.dtype)
+    # the larger of the two counts is the minimum plus |y~|
+    return jnp.where(release <= 0, m, m + release), jnp.where(release <= 0, m - release, m), ok
+
+
+def _noise_rates(gammas: Array, alpha: Array) -> Array:
+    """Eq. 16: ``lambda* = alpha Gamma(1 + g*, 1)`` from the standard variates, kept above 0."""
+    return jnp.maximum(gammas * alpha[..., None], jnp.finfo(gammas.dtype).tiny)
+
+
+def _count_dtype() -> Any:
+    return jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+
+
 def sample_true_counts(
     rng_key: Array, release: ArrayLike, rate: ArrayLike, noise_rates: ArrayLike, log_alpha: ArrayLike
 ) -> tuple[Array, Array, Array]:
@@ -125,23 +185,14 @@ def sample_true_counts(
     lam = jnp.asarray(noise_rates, dtype)
     alpha = jnp.broadcast_to(jnp.exp(jnp.asarray(log_alpha, dtype)), shape)
     key_m, key_y, key_l = random.split(rng_key, 3)
-    tiny = jnp.finfo(dtype).tiny
-    # eq. 13: y~ ~ Skel(lambda+ + mu, lambda-), m = min(y+, g-) ~ Bessel(|y~|, 2 sqrt(...))
-    a = jnp.maximum(2 * jnp.sqrt((lam[..., 0] + mu) * lam[..., 1]), tiny)
-    m, ok = sample_bessel(key_m, jnp.abs(y_t), a, shape)
-    m = m.astype(dtype)
-    # eq. 14: the larger of the two counts is the minimum plus |y~|
-    y_plus = jnp.where(y_t <= 0, m, m + y_t)
-    g_minus = jnp.where(y_t <= 0, m - y_t, m)
+    y_plus, g_minus, ok = _bessel_step(key_m, y_t, mu, lam)  # eqs. 13-14
     # eq. 15: y+ = y + g+ is a sum of Poissons with rates mu and lambda+
     y = _binomial_split(key_y, jnp.maximum(y_plus, 0.0), mu, lam[..., 0])
     g_plus = y_plus - y
     # eq. 16: Gamma(1 + g, rate (1 - alpha)/alpha + 1 = 1/alpha)
     g = jnp.stack([g_plus, g_minus], axis=-1)
-    new_lam = random.gamma(key_l, 1.0 + jnp.maximum(g, 0.0), dtype=dtype) * alpha[..., None]
-    new_lam = jnp.maximum(new_lam, tiny)
-    int_dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
-    counts = jnp.where(ok, y, -1.0).astype(int_dtype)
+    new_lam = _noise_rates(random.gamma(key_l, 1.0 + jnp.maximum(g, 0.0), dtype=dtype), alpha)
+    counts = jnp.where(ok, y, -1.0).astype(_count_dtype())
     return counts, new_lam, ok
 
 
@@ -162,6 +213,70 @@ class CountUpdates(abc.ABC):
     @abc.abstractmethod
     def __call__(self, rng_key: Array, values: Mapping[str, Array], counts: Array) -> dict[str, Array]:
         """One sweep: new values of :attr:`sites` given their current ``values`` and the counts."""
+
+
+class FactorizationUpdates(CountUpdates):
+    """:class:`CountUpdates` of a Poisson factorization, in three parts: the counts are split among
+    latent Poisson components whose rates sum to the counts' rate (:meth:`component_rates`,
+    :func:`split_counts`), standard gamma variates are drawn with shapes that follow from the split
+    (:meth:`gamma_shapes`), and the factors from those (:meth:`from_gammas`).
+
+    Given the parts, :class:`CountGibbs` draws the confidential counts and the factors together:
+    Schein et al.'s split of ``y+`` into the counts ``y`` and the noise ``g+`` (eq. 15) followed by
+    the allocation of ``y`` among the components is one split of ``y+`` among ``(lambda+, mu_1, ...,
+    mu_K)``, and the noise rates' gamma variates (eq. 16) are drawn in the factors' call. The sweep
+    then compiles one binomial and one gamma sampler instead of two of each.
+    """
+
+    @abc.abstractmethod
+    def component_rates(self, values: Mapping[str, Array]) -> Array:
+        """Rates ``counts.shape + (K,)`` of the components; their sum over the last axis is the
+        counts' Poisson rate. Counts whose component rates are all 0 are left out of the split."""
+
+    @abc.abstractmethod
+    def gamma_shapes(self, values: Mapping[str, Array], allocation: Array) -> Array:
+        """Shapes of the standard gamma variates that :meth:`from_gammas` needs, given the split
+        ``allocation`` (``counts.shape + (K,)``, floats)."""
+
+    @abc.abstractmethod
+    def from_gammas(self, values: Mapping[str, Array], allocation: Array, gammas: Array) -> dict[str, Array]:
+        """New values of :attr:`sites` from the split and ``Gamma(shape, 1)`` variates with the shapes
+        of :meth:`gamma_shapes`."""
+
+    def __call__(self, rng_key, values, counts):
+        key_split, key_gamma = random.split(rng_key)
+        allocation = split_counts(key_split, counts, self.component_rates(values))
+        gammas = random.gamma(key_gamma, self.gamma_shapes(values, allocation))
+        return self.from_gammas(values, allocation, gammas)
+
+
+def _factorization_sweep(
+    rng_key: Array, updates: FactorizationUpdates, values: Mapping[str, Array], release: ArrayLike,
+    rate: ArrayLike, noise_rates: Array, log_alpha: ArrayLike, counts: Array,
+) -> tuple[Array, Array, Array, dict[str, Array]]:
+    """:func:`sample_true_counts` and the factorization's update in one (see :class:`FactorizationUpdates`):
+    ``(counts, noise_rates, ok, new values)``. Where the Bessel draw fails, the previous ``counts`` and
+    noise rates are kept, and the counts split among the components alone."""
+    dtype = _float()
+    y_t = jnp.asarray(release).astype(dtype)
+    shape = jnp.shape(y_t)
+    mu = jnp.broadcast_to(jnp.asarray(rate, dtype), shape)
+    alpha = jnp.broadcast_to(jnp.exp(jnp.asarray(log_alpha, dtype)), shape)
+    key_m, key_split, key_gamma = random.split(rng_key, 3)
+    y_plus, g_minus, ok = _bessel_step(key_m, y_t, mu, noise_rates)  # eqs. 13-14
+    # eq. 15 and the allocation: (g+, y_1, ..., y_K) ~ Mult(y+, (lambda+, mu_1, ..., mu_K) / (lambda+ + mu))
+    total = jnp.where(ok, jnp.maximum(y_plus, 0.0), counts.astype(dtype))
+    rates = updates.component_rates(values).astype(dtype)
+    noise = jnp.where(ok, noise_rates[..., 0], 0.0)
+    split = split_counts(key_split, total, jnp.concatenate([noise[..., None], rates], axis=-1))
+    g_plus, allocation = split[..., 0], split[..., 1:]
+    # eq. 16 and the factors' conditionals: one call for all the standard gamma variates
+    g = jnp.stack([g_plus, g_minus], axis=-1)
+    shapes = updates.gamma_shapes(values, allocation)
+    gammas = random.gamma(key_gamma, jnp.concatenate([(1.0 + jnp.maximum(g, 0.0)).ravel(), shapes.ravel()]))
+    new_lam = jnp.where(ok[..., None], _noise_rates(gammas[: g.size].reshape(g.shape), alpha), noise_rates)
+    new = updates.from_gammas(values, allocation, gammas[g.size :].reshape(shapes.shape))
+    return (total - g_plus).astype(counts.dtype), new_lam, ok, new
 
 
 @dataclass(frozen=True, eq=False)
@@ -311,8 +426,16 @@ class CountGibbs(ConstrainedGibbsKernel):
         keys = random.split(key_sweep, 2 * len(self._blocks))
         for i, blk in enumerate(self._blocks):
             y_t = jnp.asarray(tr[blk.release]["value"])
+            factorization = not blk.naive and isinstance(blk.updates, FactorizationUpdates)
             if blk.naive:
                 counts = jnp.maximum(y_t, 0).astype(z[blk.source].dtype)
+            elif factorization:
+                mu = jnp.broadcast_to(_poisson(tr[blk.source]["fn"]).rate, jnp.shape(y_t))
+                values = {name: z[name] for name in blk.updates.sites}
+                counts, z[blk.noise_rates], ok, new = _factorization_sweep(
+                    keys[2 * i], blk.updates, values, y_t, mu, z[blk.noise_rates], blk.log_alpha, z[blk.source]
+                )
+                failures = failures + jnp.sum(~ok).astype(jnp.int32)
             else:
                 mu = jnp.broadcast_to(_poisson(tr[blk.source]["fn"]).rate, jnp.shape(y_t))
                 counts, lam, ok = sample_true_counts(
@@ -327,8 +450,9 @@ class CountGibbs(ConstrainedGibbsKernel):
                     random.fold_in(keys[2 * i + 1], 2**20 + j), tr[name]["fn"], counts, z[name]
                 )
             if blk.updates is not None:
-                values = {name: z[name] for name in blk.updates.sites}
-                new = blk.updates(keys[2 * i + 1], values, counts)
+                if not factorization:
+                    values = {name: z[name] for name in blk.updates.sites}
+                    new = blk.updates(keys[2 * i + 1], values, counts)
                 z.update({name: new[name].astype(z[name].dtype) for name in blk.updates.sites})
         stalls = jnp.where(failures > 0, state.stalls + 1, 0)
         # a chain whose Bessel draws fail sweep after sweep is stuck (non-finite rates): fail loudly
