@@ -105,3 +105,25 @@ def test_validation_ignores_padding_batches(small_trainer):
     _, b = small_trainer.fit(flow, data, 500, padded, 100, random.key(2))
     assert a.epochs == b.epochs == 25 and a.nonfinite_steps == 0
     assert a.valid_losses == b.valid_losses and all(math.isfinite(v) for v in a.valid_losses)
+
+
+def test_flows_of_one_architecture_share_their_compiled_programs():
+    # flowjax's layers keep a closure that rebuilds the spline from the conditioner's output; a new
+    # flow had new closures, which jit keys on by identity: every fit (an SPPE sweep over epsilon)
+    # compiled its training epoch, validation, sample and log_prob again
+    import equinox as eqx
+    from compilations import count_compilations
+
+    log_prob = eqx.filter_jit(lambda flow, y, c: flow.log_prob(y, c))
+    y, c = jnp.zeros((4, 2)), jnp.ones((4, 3))
+    first = conditional_spline_flow(random.key(0), 2, 3, layers=2, width=8, knots=5)
+    second = conditional_spline_flow(random.key(1), 2, 3, layers=2, width=8, knots=5)
+    other = conditional_spline_flow(random.key(1), 2, 3, layers=2, width=8, knots=6)
+    log_prob(first, y, c)
+    with count_compilations() as compiled:
+        values = log_prob(second, y, c)
+    assert not compiled, compiled
+    assert not np.allclose(values, log_prob(first, y, c))  # other weights, the same program
+    with count_compilations() as compiled:
+        log_prob(other, y, c)
+    assert compiled  # another spline: its own program

@@ -202,6 +202,24 @@ def test_sppe_tiny_run(tiny_sppe):
     assert float(draws["beta"][:, 1].mean()) < -1.0
 
 
+def test_a_second_fit_of_the_same_architecture_compiles_no_training(tiny_sppe):
+    # e.g. a sweep over epsilon: the shared trainer's epoch and validation pass, and the flow's
+    # log_prob, are reused (only the simulator, whose noise scale is a constant, compiles again)
+    from compilations import count_compilations
+    from d3pext.handlers import private_posterior
+    from d3pext.models.linear_regression import PAPER_S_DP, private_linear_regression
+
+    post = private_posterior(
+        private_linear_regression(100, 3.0, sensitivity=0.13), {"records_dp": jnp.array(PAPER_S_DP)},
+        method="sppe", rounds=1, simulations_per_round=420, num_points=4, max_epochs=40,
+        learning_rate=5e-3, num_samples=500, flow_kwargs=dict(layers=2, width=8, knots=4), progress_bar=False,
+    )  # the settings of tiny_sppe (which shares its trainer), at another epsilon
+    with count_compilations() as compiled:
+        post.run(random.key(1), 100)
+    assert post.diagnostics[0]["epochs"] >= 1
+    assert not {"jit(epoch)", "jit(valid)"} & set(compiled), compiled
+
+
 def test_sppe_log_prob_is_normalized(tiny_sppe):
     # Riemann sum of exp(log_prob) over a grid covering the posterior
     post = tiny_sppe

@@ -93,13 +93,66 @@ def conditional_spline_flow(
             raise ValueError(f"{name} must be a positive integer, got {v!r}.")
     if not tail_bound > 0:
         raise ValueError(f"tail_bound must be > 0, got {tail_bound}.")
-    transformer = RationalQuadraticSpline(knots=int(knots), interval=float(tail_bound))
+    # one transformer template per setting: flows built from it share their compiled programs
+    transformer = _spline_template(RationalQuadraticSpline, int(knots), float(tail_bound))
     base = Normal(jnp.zeros(int(dim)))
     common = dict(base_dist=base, transformer=transformer, cond_dim=int(cond_dim),
                   flow_layers=int(layers), nn_width=int(width), nn_depth=int(depth))
     if dim == 1:
-        return masked_autoregressive_flow(rng_key, **common)
-    return coupling_flow(rng_key, **common)
+        return _shared_constructors(masked_autoregressive_flow(rng_key, **common))
+    return _shared_constructors(coupling_flow(rng_key, **common))
+
+
+_CONSTRUCTORS: dict = {}
+_TEMPLATES: dict = {}
+
+
+def _spline_template(cls, knots: int, interval: float):
+    """The spline transformer with these settings, built once (an immutable template: its static
+    part holds a closure, which would otherwise differ between flows)."""
+    key = (cls, knots, interval)
+    if key not in _TEMPLATES:
+        _TEMPLATES[key] = cls(knots=knots, interval=interval)
+    return _TEMPLATES[key]
+
+
+def _is_constructor(leaf: Any) -> bool:
+    return callable(leaf) and getattr(leaf, "__qualname__", "").endswith(
+        "get_ravelled_pytree_constructor.<locals>.constructor"
+    )
+
+
+def _shared_constructors(flow):
+    """``flow`` with each layer's transformer constructor replaced by the first one built for the
+    same transformer.
+
+    flowjax's coupling and autoregressive layers keep a closure that rebuilds the transformer from
+    the conditioner's output. A new flow gets new closures, and ``jax.jit`` (through
+    ``equinox.filter_jit``) keys compiled programs on them by identity: the training epoch, the
+    validation pass, ``sample`` and ``log_prob`` compiled again for every flow, even of the same
+    architecture (an SPPE sweep over epsilon: seconds per fit). Two constructors that close over the
+    same transformer template (its static part, and equal initial parameters of the same layout)
+    compute the same function, so the first stands for both.
+    """
+
+    def shared(leaf):
+        if not _is_constructor(leaf):
+            return leaf
+        cells = dict(zip(leaf.__code__.co_freevars, (c.cell_contents for c in leaf.__closure__)))
+        try:
+            init, static, unravel = cells["init"], cells["static"], cells["unravel"]
+            template = jax.eval_shape(unravel, init)
+            static_leaves, static_def = jax.tree.flatten(static)
+            key = (
+                static_def, tuple(static_leaves), jax.tree.structure(template),
+                tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(template)),
+                str(init.dtype), tuple(init.shape), bytes(jax.device_get(init).tobytes()),
+            )
+            return _CONSTRUCTORS.setdefault(key, leaf)
+        except (KeyError, TypeError, AttributeError):  # another flowjax version: keep its own
+            return leaf
+
+    return jax.tree.map(shared, flow, is_leaf=_is_constructor)
 
 
 @dataclass
