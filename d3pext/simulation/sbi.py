@@ -113,7 +113,9 @@ class Simulator:
             return {n: s["value"] for n, s in tr.items() if s["type"] == "sample"}
 
         try:
-            values = jax.device_get(jax.jit(run)(random.key(0)))
+            # the structure, shapes and dtypes only: an abstract trace compiles nothing (compiling the
+            # model's forward run took 1-6 s per estimator, every time)
+            values = jax.eval_shape(run, random.key(0))
         except NotImplementedError as e:
             raise ValueError(
                 "The model cannot be simulated forward (a sample site has no sampler): "
@@ -151,10 +153,15 @@ class Simulator:
         self.parameters = parameters
         self.sources = sources
         self.transforms = {n: biject_to(tr[n]["fn"].support) for n in parameters}
-        unconstrained = {n: self.transforms[n].inv(jnp.asarray(values[n])) for n in parameters}
+        # a point of each parameter's support, for the layout of the flat unconstrained vector
+        unconstrained = {
+            n: jnp.zeros(u.shape, u.dtype)
+            for n, u in ((n, jax.eval_shape(self.transforms[n].inv, values[n])) for n in parameters)
+        }
         flat, self._unravel = ravel_pytree(unconstrained)
         self.dim = int(flat.shape[0])
-        self._source_values = {n: jnp.asarray(values[n]) for n in sources}
+        # placeholders for the confidential sources in log_prior, which sums the parameters' terms only
+        self._source_values = {n: jnp.zeros(values[n].shape, values[n].dtype) for n in sources}
         # observed releases, flattened in release order
         obs, self._release_slices, offset = [], {}, 0
         for name, info in releases.items():
