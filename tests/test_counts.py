@@ -557,7 +557,8 @@ def test_split_counts_is_the_multinomial(monkeypatch):
         ks = np.arange(n + 1)
         assert chi_square_pvalue(shares[:, k], ks, st.binom.pmf(ks, n, probs[k])) > GOF_THRESHOLD, k
     pairs = np.array([(a, b) for a in range(n + 1) for b in range(n + 1 - a)])
-    pmf = st.multinomial.pmf(np.column_stack([pairs, n - pairs.sum(1)]), n, [probs[0], probs[2], 1 - probs[0] - probs[2]])
+    third = 1 - probs[0] - probs[2]
+    pmf = st.multinomial.pmf(np.column_stack([pairs, n - pairs.sum(1)]), n, [probs[0], probs[2], third])
     code = {tuple(p): i for i, p in enumerate(pairs)}
     observed = np.array([code[(a, b)] for a, b in shares[:, [0, 2]].astype(int)])
     order = np.argsort(-pmf)  # cells merged from the most probable down
