@@ -150,6 +150,15 @@ def _bessel_step(rng_key: Array, release: Array, rate: Array, noise_rates: Array
     return jnp.where(release <= 0, m, m + release), jnp.where(release <= 0, m - release, m), ok
 
 
+def _float_inputs(release: ArrayLike, rate: ArrayLike, log_alpha: ArrayLike) -> tuple[Array, Array, Array]:
+    """The release, the counts' rates and ``alpha`` as floats of the release's shape."""
+    dtype = _float()
+    y_t = jnp.asarray(release).astype(dtype)
+    shape = jnp.shape(y_t)
+    mu = jnp.broadcast_to(jnp.asarray(rate, dtype), shape)
+    return y_t, mu, jnp.broadcast_to(jnp.exp(jnp.asarray(log_alpha, dtype)), shape)
+
+
 def _noise_rates(gammas: Array, alpha: Array) -> Array:
     """Eq. 16: ``lambda* = alpha Gamma(1 + g*, 1)`` from the standard variates, kept above 0."""
     return jnp.maximum(gammas * alpha[..., None], jnp.finfo(gammas.dtype).tiny)
@@ -179,11 +188,8 @@ def sample_true_counts(
     ((3,), (3, 2), True)
     """
     dtype = _float()
-    y_t = jnp.asarray(release).astype(dtype)
-    shape = jnp.shape(y_t)
-    mu = jnp.broadcast_to(jnp.asarray(rate, dtype), shape)
+    y_t, mu, alpha = _float_inputs(release, rate, log_alpha)
     lam = jnp.asarray(noise_rates, dtype)
-    alpha = jnp.broadcast_to(jnp.exp(jnp.asarray(log_alpha, dtype)), shape)
     key_m, key_y, key_l = random.split(rng_key, 3)
     y_plus, g_minus, ok = _bessel_step(key_m, y_t, mu, lam)  # eqs. 13-14
     # eq. 15: y+ = y + g+ is a sum of Poissons with rates mu and lambda+
@@ -258,10 +264,7 @@ def _factorization_sweep(
     ``(counts, noise_rates, ok, new values)``. Where the Bessel draw fails, the previous ``counts`` and
     noise rates are kept, and the counts split among the components alone."""
     dtype = _float()
-    y_t = jnp.asarray(release).astype(dtype)
-    shape = jnp.shape(y_t)
-    mu = jnp.broadcast_to(jnp.asarray(rate, dtype), shape)
-    alpha = jnp.broadcast_to(jnp.exp(jnp.asarray(log_alpha, dtype)), shape)
+    y_t, mu, alpha = _float_inputs(release, rate, log_alpha)
     key_m, key_split, key_gamma = random.split(rng_key, 3)
     y_plus, g_minus, ok = _bessel_step(key_m, y_t, mu, noise_rates)  # eqs. 13-14
     # eq. 15 and the allocation: (g+, y_1, ..., y_K) ~ Mult(y+, (lambda+, mu_1, ..., mu_K) / (lambda+ + mu))
@@ -426,23 +429,21 @@ class CountGibbs(ConstrainedGibbsKernel):
         keys = random.split(key_sweep, 2 * len(self._blocks))
         for i, blk in enumerate(self._blocks):
             y_t = jnp.asarray(tr[blk.release]["value"])
-            factorization = not blk.naive and isinstance(blk.updates, FactorizationUpdates)
+            new = None  # the model's updates, where drawn together with the counts
             if blk.naive:
                 counts = jnp.maximum(y_t, 0).astype(z[blk.source].dtype)
-            elif factorization:
-                mu = jnp.broadcast_to(_poisson(tr[blk.source]["fn"]).rate, jnp.shape(y_t))
-                values = {name: z[name] for name in blk.updates.sites}
-                counts, z[blk.noise_rates], ok, new = _factorization_sweep(
-                    keys[2 * i], blk.updates, values, y_t, mu, z[blk.noise_rates], blk.log_alpha, z[blk.source]
-                )
-                failures = failures + jnp.sum(~ok).astype(jnp.int32)
             else:
                 mu = jnp.broadcast_to(_poisson(tr[blk.source]["fn"]).rate, jnp.shape(y_t))
-                counts, lam, ok = sample_true_counts(
-                    keys[2 * i], y_t, mu, z[blk.noise_rates], blk.log_alpha
-                )
-                counts = jnp.where(ok, counts, z[blk.source]).astype(z[blk.source].dtype)
-                z[blk.noise_rates] = jnp.where(ok[..., None], lam, z[blk.noise_rates])
+                if isinstance(blk.updates, FactorizationUpdates):
+                    values = {name: z[name] for name in blk.updates.sites}
+                    counts, z[blk.noise_rates], ok, new = _factorization_sweep(
+                        keys[2 * i], blk.updates, values, y_t, mu, z[blk.noise_rates], blk.log_alpha,
+                        z[blk.source],
+                    )
+                else:
+                    counts, lam, ok = sample_true_counts(keys[2 * i], y_t, mu, z[blk.noise_rates], blk.log_alpha)
+                    counts = jnp.where(ok, counts, z[blk.source]).astype(z[blk.source].dtype)
+                    z[blk.noise_rates] = jnp.where(ok[..., None], lam, z[blk.noise_rates])
                 failures = failures + jnp.sum(~ok).astype(jnp.int32)
             z[blk.source] = counts
             for j, name in enumerate(blk.conjugate):
@@ -450,9 +451,8 @@ class CountGibbs(ConstrainedGibbsKernel):
                     random.fold_in(keys[2 * i + 1], 2**20 + j), tr[name]["fn"], counts, z[name]
                 )
             if blk.updates is not None:
-                if not factorization:
-                    values = {name: z[name] for name in blk.updates.sites}
-                    new = blk.updates(keys[2 * i + 1], values, counts)
+                if new is None:
+                    new = blk.updates(keys[2 * i + 1], {name: z[name] for name in blk.updates.sites}, counts)
                 z.update({name: new[name].astype(z[name].dtype) for name in blk.updates.sites})
         stalls = jnp.where(failures > 0, state.stalls + 1, 0)
         # a chain whose Bessel draws fail sweep after sweep is stuck (non-finite rates): fail loudly

@@ -81,7 +81,7 @@ def _collect_loop(
     template = jax.eval_shape(transform, init_val)
     collection = jax.tree.map(lambda t: jnp.zeros((max(size, count), *t.shape), t.dtype), template)
     if not count:
-        return collection, (steps(upper, init_val) if upper else init_val)
+        return collection, steps(upper, init_val)
 
     def block(j, carry):
         # block 0 runs the first `start` steps (its value lands in slot 0, which block 1

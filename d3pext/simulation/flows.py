@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+import functools
 import math
 from typing import Any
 
@@ -104,16 +105,13 @@ def conditional_spline_flow(
 
 
 _CONSTRUCTORS: dict = {}
-_TEMPLATES: dict = {}
 
 
+@functools.cache
 def _spline_template(cls, knots: int, interval: float):
     """The spline transformer with these settings, built once (an immutable template: its static
     part holds a closure, which would otherwise differ between flows)."""
-    key = (cls, knots, interval)
-    if key not in _TEMPLATES:
-        _TEMPLATES[key] = cls(knots=knots, interval=interval)
-    return _TEMPLATES[key]
+    return cls(knots=knots, interval=interval)
 
 
 def _is_constructor(leaf: Any) -> bool:

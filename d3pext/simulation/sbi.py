@@ -154,10 +154,8 @@ class Simulator:
         self.sources = sources
         self.transforms = {n: biject_to(tr[n]["fn"].support) for n in parameters}
         # a point of each parameter's support, for the layout of the flat unconstrained vector
-        unconstrained = {
-            n: jnp.zeros(u.shape, u.dtype)
-            for n, u in ((n, jax.eval_shape(self.transforms[n].inv, values[n])) for n in parameters)
-        }
+        layout = {n: jax.eval_shape(self.transforms[n].inv, values[n]) for n in parameters}
+        unconstrained = {n: jnp.zeros(u.shape, u.dtype) for n, u in layout.items()}
         flat, self._unravel = ravel_pytree(unconstrained)
         self.dim = int(flat.shape[0])
         # placeholders for the confidential sources in log_prior, which sums the parameters' terms only
