@@ -106,6 +106,16 @@ def test_threefry_matches_jax():
     np.testing.assert_array_equal(jax.jit(_threefry2x32)(k0, k1, x0, x1), expected)
 
 
+@pytest.mark.parametrize("key", [jax.random.key(7), jax.random.PRNGKey(7), chacha_key(7)], ids=["typed", "raw", "chacha"])
+def test_round_keys_are_jax_random_bits(key):
+    # the written-out hash for Threefry keys, jax.random.bits for others: the same round keys either way
+    expected = jax.random.bits(key, (16, 2), jnp.uint32)
+    np.testing.assert_array_equal(jax.jit(minibatch._round_keys, static_argnums=1)(key, 16), expected)
+    if key.dtype != chacha_key(0).dtype:  # Threefry: no hash loop
+        lowered = jax.jit(minibatch._round_keys, static_argnums=1).trace(key, 16).lower(lowering_platforms=("cpu",))
+        assert "stablehlo.while" not in lowered.as_text()
+
+
 @pytest.mark.parametrize("num_records", [10, 513])
 def test_cycle_walk_is_a_permutation(num_records):
     walk = jax.jit(jax.vmap(lambda k: _feistel_walk(k, num_records, num_records, 16)))

