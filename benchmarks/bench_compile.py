@@ -1,6 +1,6 @@
 """Time to first result: compilation of DPSVI against NumPyro's SVI, first against repeated runs.
 
-    python benchmarks/bench_compile.py [--repeats 3] [--no-demo] [--json PATH]
+    python benchmarks/bench_compile.py [--repeats 3] [--no-demo] [--paired N] [--json PATH]
 
 Every figure comes from a fresh Python process (nothing compiled in an earlier measurement is reused,
 the persistent compilation cache is off unless a row says otherwise), and the rows of one table are
@@ -15,7 +15,11 @@ over ``--repeats`` processes and as ratios:
   on a second object with the same structure (SVI compiles every ``run``; DPSVI keeps its compiled
   loop per object and model structure);
 - ``demo``: ``d3pext demo --repeats 1`` in a fresh process with an empty compilation-cache directory,
-  then again with the cache that the first one filled (``enable_compile_cache``).
+  then again with the cache that the first one filled (``enable_compile_cache``);
+- ``--paired N``: instead, in one process, XLA's compilation alone of the two first-step programs
+  (``jax.jit(svi.update)`` and DPSVI's step, each lowered once), alternately ``N`` times each: CPU
+  seconds per compile and the paired ratio. Fresh processes differ by 10-20% on a shared machine;
+  back-to-back compiles in one process share its state, so small changes show.
 
 The model is the demo's: logistic regression with an intercept on the Breast Cancer data (455 records,
 31 weights), batch 200 (``d3pext.models.logistic_regression`` in plate mode).
@@ -86,6 +90,58 @@ print(json.dumps(out))
 """
 
 
+PAIRED = r"""
+import json, statistics, sys, time
+import jax, jax.numpy as jnp, numpy as np, numpyro
+from jax._src import compiler, xla_bridge
+from jax._src.lib import xla_client
+from numpyro.infer import SVI, Trace_ELBO
+from d3pext import DPSVI
+from d3pext.datasets import load_breast_cancer
+from d3pext.models import logistic_guide, logistic_regression
+from d3pext.training.svi import _split_kwargs
+
+data = load_breast_cancer()
+x = jnp.asarray(np.hstack([data.x_train, np.ones((len(data.x_train), 1), np.float32)]))
+y = jnp.asarray(data.y_train, jnp.float32)
+optim = numpyro.optim.Adam(0.1)
+svi = SVI(logistic_regression, logistic_guide, optim, Trace_ELBO())
+state = svi.init(jax.random.key(0), x, y, batch_size=200)
+lowered = {"svi": jax.jit(svi.update, static_argnames=("batch_size",)).trace(state, x, y, batch_size=200).lower()}
+dpsvi = DPSVI(logistic_regression, logistic_guide, optim, Trace_ELBO(), clipping_threshold=1.0, epsilon=1.0,
+              num_steps=200)
+dstate = dpsvi.init(jax.random.key(0), x, y, batch_size=200)
+dyn, static = _split_kwargs({"batch_size": 200})
+lowered["dpsvi"] = dpsvi._jitted_step(static, False).trace(dstate, (x, y), dyn, None, dpsvi._settings()).lower()
+backend = xla_bridge.get_backend("cpu")
+devices = xla_client.DeviceList(tuple(backend.devices()[:1]))
+options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+out = {kind: [] for kind in lowered}
+for _ in range(int(sys.argv[1])):
+    for kind, low in lowered.items():
+        module = low.compiler_ir("stablehlo")
+        wall, cpu = time.perf_counter(), time.process_time()
+        compiler.backend_compile_and_load(backend, module, devices, options, [])
+        out[kind].append((time.perf_counter() - wall, time.process_time() - cpu))
+print(json.dumps(out))
+"""
+
+
+def _paired(repeats: int) -> dict:
+    env = {**os.environ, "D3PEXT_NO_COMPILE_CACHE": "1", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", PAIRED, str(repeats)], env=env, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    times = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"compile of the first-step programs, {repeats} alternating compiles each in one process:")
+    for i, clock in enumerate(("wall", "CPU")):
+        svi, dpsvi = ([t[i] for t in times[kind]] for kind in ("svi", "dpsvi"))
+        ratios = [d / s for s, d in zip(svi, dpsvi)]
+        print(f"  {clock:4s} s: SVI median {statistics.median(svi):.2f} (min {min(svi):.2f}), DPSVI median "
+              f"{statistics.median(dpsvi):.2f} (min {min(dpsvi):.2f}), DPSVI/SVI paired median "
+              f"{statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
+    return {"paired": times}
+
+
 def _child(kind: str) -> dict:
     env = {**os.environ, "D3PEXT_NO_COMPILE_CACHE": "1", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     out = subprocess.run([sys.executable, "-c", CHILD, kind], env=env, capture_output=True, text=True, check=True)
@@ -106,7 +162,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per row (default 3)")
     parser.add_argument("--no-demo", action="store_true", help="skip the d3pext demo rows")
     parser.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
+    parser.add_argument("--paired", type=int, default=0, metavar="N",
+                        help="only the compile of the two first-step programs, N alternating times in one process")
     args = parser.parse_args()
+    if args.paired:
+        figures = _paired(args.paired)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(figures, fh, indent=1)
+        return
 
     rows: dict[str, list[dict]] = {"svi": [], "dpsvi": []}
     for _ in range(args.repeats):  # alternate, so that load drifts affect both alike
