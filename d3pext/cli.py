@@ -320,8 +320,8 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.delta is not None and args.delta >= 1.0 / n:
         print(f"warning: delta={args.delta:g} is not below 1/N = {1.0 / n:.3g}", file=sys.stderr)
     try:
-        print(f"fitting {args.repeats} private run(s) and a non-private one; the first compiles (about half a "
-              "minute the first time, less once the compile cache is warm)...", file=sys.stderr, flush=True)
+        print(f"fitting {args.repeats} private run(s) and a non-private one; the first compiles (5-15 s on a CPU "
+              "the first time, less once the compile cache is warm)...", file=sys.stderr, flush=True)
         fit = _run_demo(
             data, epsilon=args.epsilon, delta=args.delta, steps=args.steps, batch_size=args.batch_size,
             clip=args.clip, learning_rate=args.learning_rate, seed=args.seed, repeats=args.repeats,
