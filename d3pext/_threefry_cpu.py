@@ -56,7 +56,7 @@ def threefry2x32_20(k1, k2, x1, x2) -> tuple[jax.Array, jax.Array]:
     """
     shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in (k1, k2, x1, x2)))
     size = math.prod(shape)
-    padded = -(-size // FLAT_MULTIPLE) * FLAT_MULTIPLE
+    padded = size if size < FLAT_MULTIPLE else -(-size // FLAT_MULTIPLE) * FLAT_MULTIPLE
 
     def flat(a):
         return jnp.pad(jnp.broadcast_to(a, shape).reshape(size), (0, padded - size))
@@ -99,7 +99,9 @@ compile, is what the user waits for."""
 
 FLAT_MULTIPLE = 16
 """The flat loop hashes a multiple of this many counters (zeros appended, their outputs dropped): LLVM
-then vectorises the rounds without a scalar remainder loop, about half the code of a 31-counter draw."""
+then vectorises the rounds without a scalar remainder loop, about half the code of a 31-counter draw.
+Fewer counters (key splits, scalar draws) are hashed as they are: they have no vectorised loop to
+spare, and a padded hash would count as 16 on every device of a mesh."""
 
 def _lowering(ctx, k1, k2, x1, x2):
     size = math.prod(ctx.avals_out[0].shape)
