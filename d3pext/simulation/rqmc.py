@@ -179,15 +179,29 @@ def release_points(
             stacklevel=2,
         )
         method = "draw"
-    batch, dim = value.shape[:-1], value.shape[-1]
     if method == "draw":
         _check_points(num_points)
         return _draw(mechanism, rng_key, value, num_points)
+    return mechanism.release_icdf(value[..., None, :], _release_uniforms(rng_key, value, num_points, method, dtype))
+
+
+def _release_uniforms(rng_key: jax.Array, value: jax.Array, num_points: int, method: str, dtype=None) -> jax.Array:
+    """The uniforms of :func:`release_points` (``"rqmc"`` or ``"mc"``): ``(*batch, num_points, r)``."""
     if dtype is None and jnp.issubdtype(value.dtype, jnp.floating):
         dtype = value.dtype
     make = scrambled_sobol if method == "rqmc" else mc_uniforms
-    u = make(rng_key, num_points, dim, batch, _float_dtype(dtype))
-    return mechanism.release_icdf(value[..., None, :], u)
+    return make(rng_key, num_points, value.shape[-1], value.shape[:-1], _float_dtype(dtype))
+
+
+def _releases_at_once(mechanism, values: list[jax.Array], uniforms: list[jax.Array]) -> list[jax.Array]:
+    """``mechanism.release_icdf(value[..., None, :], u)`` for each pair, as one call over the rows of all
+    of them: each call site compiles its own copy of the inverse CDF (for the binomial mechanism a
+    bisection over ``betainc``, seconds each)."""
+    dim = uniforms[0].shape[-1]
+    rows = [jnp.broadcast_to(v[..., None, :], u.shape).reshape(-1, dim) for v, u in zip(values, uniforms)]
+    flat = mechanism.release_icdf(jnp.concatenate(rows), jnp.concatenate([u.reshape(-1, dim) for u in uniforms]))
+    ends = np.cumsum([r.shape[0] for r in rows])[:-1]
+    return [part.reshape(u.shape) for part, u in zip(jnp.split(flat, ends), uniforms)]
 
 
 def _draw(mechanism, rng_key, value, num_points):
@@ -219,17 +233,22 @@ def convergence_study(
         key, sub = random.split(key)
         keys.append(sub)
 
-    # one program for the reference and every (M, method): as separate programs they took 1.35x
-    # as long to compile
+    # one program for the reference and every (M, method), with one inverse-CDF call: as separate
+    # programs they took 1.35x as long to compile, and each call site compiles its own inverse CDF
+    one_call = has_inverse_cdf(mechanism)
+
     @jax.jit
     def estimates(key_ref, keys, value):
-        points = release_points(mechanism, key_ref, value[None], reference_points, "rqmc")
-        reference = jnp.mean(integrand(points))
         values = jnp.broadcast_to(value, (replicates, *value.shape))
-        found = [
-            jnp.mean(integrand(release_points(mechanism, k, values, m, method)), axis=-1)
-            for k, (m, method) in zip(keys, cases)
-        ]
+        if one_call:
+            uniforms = [_release_uniforms(key_ref, value[None], reference_points, "rqmc")]
+            uniforms += [_release_uniforms(k, values, m, method) for k, (m, method) in zip(keys, cases)]
+            points, *found = _releases_at_once(mechanism, [value[None]] + [values] * len(cases), uniforms)
+        else:
+            points = release_points(mechanism, key_ref, value[None], reference_points, "rqmc")
+            found = [release_points(mechanism, k, values, m, method) for k, (m, method) in zip(keys, cases)]
+        reference = jnp.mean(integrand(points))
+        found = [jnp.mean(integrand(pts), axis=-1) for pts in found]
         return reference, [jnp.sqrt(jnp.mean((est - reference) ** 2)) for est in found]
 
     reference, rmse = estimates(key_ref, jnp.stack(keys), value)
