@@ -103,6 +103,7 @@ then vectorises the rounds without a scalar remainder loop, about half the code 
 Fewer counters (key splits, scalar draws) are hashed as they are: they have no vectorised loop to
 spare, and a padded hash would count as 16 on every device of a mesh."""
 
+
 def _lowering(ctx, k1, k2, x1, x2):
     size = math.prod(ctx.avals_out[0].shape)
     if size > FLAT_MAX_SIZE or any(_sharded(a) for a in ctx.avals_out):

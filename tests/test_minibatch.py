@@ -106,7 +106,9 @@ def test_threefry_matches_jax():
     np.testing.assert_array_equal(jax.jit(_threefry2x32)(k0, k1, x0, x1), expected)
 
 
-@pytest.mark.parametrize("key", [jax.random.key(7), jax.random.PRNGKey(7), chacha_key(7)], ids=["typed", "raw", "chacha"])
+@pytest.mark.parametrize(
+    "key", [jax.random.key(7), jax.random.PRNGKey(7), chacha_key(7)], ids=["typed", "raw", "chacha"]
+)
 def test_round_keys_are_jax_random_bits(key):
     # the written-out hash for Threefry keys, jax.random.bits for others: the same round keys either way
     expected = jax.random.bits(key, (16, 2), jnp.uint32)

@@ -100,8 +100,8 @@ def _round_keys(rng_key: jax.Array, num_rounds: int) -> jax.Array:
     """``jax.random.bits(rng_key, (num_rounds, 2), jnp.uint32)``, the Feistel network's round keys.
 
     For a Threefry key the same bits come from the hash written out (with JAX's default
-    partitionable counters): one fused kernel instead of the hash loop of the CPU lowering, a
-    tenth of a DPSVI step's compile time less.
+    partitionable counters): one fused kernel instead of the hash loop of the CPU lowering (a
+    DPSVI step has 7 kernels fewer to compile).
     """
     typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
     impl = str(jax.random.key_impl(rng_key)) if typed else jax.config.jax_default_prng_impl
