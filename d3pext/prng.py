@@ -242,7 +242,8 @@ def chacha_key(seed: int | bytes) -> jax.Array:
         if len(seed) != 4 * _KEY_WORDS:
             raise ValueError(f"a bytes seed must be exactly 32 bytes long, got {len(seed)}")
         data = np.frombuffer(bytes(seed), dtype="<u4").astype(np.uint32)
-        return jax.random.wrap_key_data(jnp.asarray(data), impl=CHACHA20)
+        # device_put, not jnp.asarray: in a fresh process that compiles a small program (secure_key's 30 ms)
+        return jax.random.wrap_key_data(jax.device_put(data), impl=CHACHA20)
     if isinstance(seed, bool) or not hasattr(seed, "__index__"):
         raise TypeError(f"seed must be an int or 32 bytes, got {type(seed).__name__}")
     seed = operator.index(seed)
