@@ -180,10 +180,14 @@ def inspect_model(
         fns = {name: (site["fn"], site["value"]) for name, site in samples.items()}
         return fns, values
 
-    # concrete even when called under an outer trace (chain_method="parallel" initialises kernels
-    # inside pmap): the model arguments are concrete, so the jitted trace can run now
-    with jax.ensure_compile_time_eval():
-        fns, values = jax.device_get(jax.jit(run)())
+    found = jax.jit(run)()
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(found)):
+        # under an outer trace (chain_method="parallel" initialises kernels inside pmap): the model
+        # arguments are concrete, so the trace can run now, op by op. Not by default: every
+        # primitive would then compile a program of its own (1.5 s of a Gibbs sampler's first run).
+        with jax.ensure_compile_time_eval():
+            found = jax.jit(run)()
+    fns, values = jax.device_get(found)
     sites = {
         name: Site(name, fns[name][0], fns[name][1], observed, infer, plates)
         for name, (observed, infer, plates) in static["sites"].items()
