@@ -305,6 +305,24 @@ def _std(x, axis):
     return jnp.where(s > 0, s, 1.0)
 
 
+# The bookkeeping of a round, compiled: op by op, each of its small steps compiled a program of its
+# own in every new process (a second of each fit).
+@jax.jit
+def _round_keys(rng_key: jax.Array, i: jax.Array) -> tuple:
+    """Round ``i``'s keys: proposal, simulation, release noise, split, training."""
+    return tuple(random.split(random.fold_in(rng_key, i), 5))
+
+
+@jax.jit
+def _split_two(rng_key: jax.Array) -> tuple:
+    return tuple(random.split(rng_key))
+
+
+@jax.jit
+def _scale_of(z: jax.Array, s: jax.Array) -> tuple:
+    return jnp.mean(z, 0), _std(z, 0), jnp.mean(s, (0, 1)), _std(s, (0, 1))
+
+
 class SequentialEstimator:
     """Common machinery of :class:`SPPE` and :class:`SPLE` (not used directly).
 
@@ -406,7 +424,16 @@ class SequentialEstimator:
         valid = {k: np.zeros((cap_v, *v.shape[1:]), fdt) for k, v in train.items()}
         log_prior = jax.jit(jax.vmap(sim.log_prior))
         self._log_prior = log_prior
-        key_flow, rng_key = random.split(rng_key)
+
+        @jax.jit
+        def prepare(z, s, scale, key):
+            """Which simulations are finite; the standardized parameters and releases, the log prior
+            and the random permutation that splits them into training and validation rows."""
+            ok = jnp.all(jnp.isfinite(s), (1, 2)) & jnp.all(jnp.isfinite(z), 1)
+            zs, ss = (z - scale[0]) / scale[1], (s - scale[2]) / scale[3]
+            return ok, zs, ss, jax.vmap(sim.log_prior)(z), random.permutation(key, N)
+
+        key_flow, rng_key = _split_two(rng_key)
         self.diagnostics = []
         rounds = range(R)
         if self.progress_bar:
@@ -414,8 +441,7 @@ class SequentialEstimator:
 
             rounds = tqdm(rounds, desc=f"{self.method} rounds")
         for i in rounds:
-            key = random.fold_in(rng_key, i)
-            k_prop, k_sim, k_noise, k_split, k_train = random.split(key, 5)
+            k_prop, k_sim, k_noise, k_split, k_train = _round_keys(rng_key, np.int32(i))
             t0 = time.perf_counter()
             z = None if i == 0 else self._propose(k_prop, N)
             t1 = time.perf_counter()
@@ -423,17 +449,15 @@ class SequentialEstimator:
             s = sim.release_points(k_noise, stat, M, self.integration)
             s.block_until_ready()
             t2 = time.perf_counter()
-            ok = np.asarray(jnp.all(jnp.isfinite(s), (1, 2)) & jnp.all(jnp.isfinite(z), 1))
+            sc = _Scaler(*_scale_of(z, s)) if i == 0 else self.scaler
+            ok, zs, ss, lp, perm = jax.device_get(
+                prepare(z, s, (sc.theta_mean, sc.theta_std, sc.s_mean, sc.s_std), k_split)
+            )
             if not ok.all():
                 raise ValueError(f"round {i + 1}: {int((~ok).sum())} simulations are not finite.")
             if i == 0:
-                self.scaler = _Scaler(jnp.mean(z, 0), _std(z, 0), jnp.mean(s, (0, 1)), _std(s, (0, 1)))
+                self.scaler = sc
                 self.flow = self._make_flow(key_flow, d, r)
-            sc = self.scaler
-            zs = np.asarray((z - sc.theta_mean) / sc.theta_std)
-            ss = np.asarray((s - sc.s_mean) / sc.s_std)
-            lp = np.asarray(log_prior(z))
-            perm = np.asarray(random.permutation(k_split, N))
             vi, ti = perm[: self.num_valid], perm[self.num_valid :]
             for buf, rows, start in ((train, ti, i * self.num_train), (valid, vi, i * self.num_valid)):
                 buf["z"][start : start + len(rows)] = zs[rows]
@@ -441,8 +465,8 @@ class SequentialEstimator:
                 buf["logp"][start : start + len(rows)] = lp[rows]
             trainer = self._trainer(i)
             self.flow, report = trainer.fit(
-                self.flow, jax.tree.map(jnp.asarray, train), (i + 1) * self.num_train,
-                jax.tree.map(jnp.asarray, valid), (i + 1) * self.num_valid, k_train,
+                self.flow, jax.device_put(train), (i + 1) * self.num_train,
+                jax.device_put(valid), (i + 1) * self.num_valid, k_train,
                 progress_bar=self.progress_bar, description=f"round {i + 1} epochs",
             )
             t3 = time.perf_counter()
