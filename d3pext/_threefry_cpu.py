@@ -68,7 +68,7 @@ def threefry2x32_20(k1, k2, x1, x2) -> tuple[jax.Array, jax.Array]:
     as five rolled passes of four rounds over one flat axis.
 
     Traced once per call site of every program lowered: with ``jnp`` calls and ``fori_loop`` over a
-    closure it took about 18 ms a site to trace and lower, 4.5 ms now.
+    closure it took about 18 ms a site to trace and lower, about 4 ms now.
 
     >>> import numpy as np
     >>> [hex(int(v)) for v in threefry2x32_20(*np.zeros(4, np.uint32))]  # Random123 known answer

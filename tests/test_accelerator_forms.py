@@ -81,3 +81,32 @@ def test_feistel_rank_walk_gpu_form_equals_cpu_form(num_records, batch_size):
     keys = random.split(random.key(5), 64)
     walk = lambda form: _in_form(form, jax.vmap(lambda k: _feistel_rank_walk(k, num_records, batch_size, 16)), keys)
     np.testing.assert_array_equal(walk("accelerator"), walk("cpu"))
+
+
+def test_where_the_cpu_is_the_only_backend_only_its_form_is_traced():
+    # lax.platform_dependent traces every form; a program of a CPU-only process can only run on the
+    # CPU, so the accelerator form is not traced there (a fifth of a Gibbs sampler's tracing)
+    from d3pext import _backend
+
+    traced = []
+
+    def form(name, offset):
+        def fn(x):
+            traced.append(name)
+            return x + offset
+
+        return fn
+
+    def program(x):
+        return _backend.by_backend(form("cpu", 1.0), form("accelerator", 2.0), x)
+
+    import jax.extend.backend
+
+    if set(jax.extend.backend.backends()) != {"cpu"}:
+        pytest.skip("an accelerator backend is present: both forms are traced, one is lowered")
+    assert float(jax.jit(program)(1.0)) == 2.0
+    assert traced == ["cpu"]
+    traced.clear()
+    with forced_form("accelerator"):  # a new function: jit keeps the form of a program it has traced
+        assert float(jax.jit(lambda x: program(x))(1.0)) == 3.0
+    assert traced == ["accelerator"]

@@ -234,3 +234,33 @@ def test_demo_programs_hit_the_compile_cache_in_a_new_process(tmp_path):
     first = run(1)
     assert any(name.startswith("jit_chunk") for name in first)  # the private fit was cached
     assert run(3) == first  # a set of {"w", "obs"} iterates in opposite orders under these two seeds
+
+
+def test_the_global_independence_proof_is_kept_per_signature(monkeypatch):
+    # the proof traces the model's global terms (a tenth of a warm demo): a later init with the same
+    # structure and types of data, parameters and key holds it already; other shapes prove it again
+    from d3pext.training import svi as svi_module
+
+    proofs = []
+    real = svi_module.dependent_outputs
+    monkeypatch.setattr(svi_module, "dependent_outputs", lambda *a, **k: proofs.append(1) or real(*a, **k))
+    svi = make()
+    svi.init(jax.random.key(0), X, batch_size=50)
+    first = len(proofs)
+    assert first > 0
+    svi.init(jax.random.key(1), X + 1.0, batch_size=50)
+    assert len(proofs) == first
+    svi.init(jax.random.key(1), X[:200], batch_size=50)  # another number of records
+    assert len(proofs) > first
+
+
+def test_run_returns_the_constrained_parameters_of_its_final_state():
+    # run's loop returns them (get_params op by op compiled a program of its own in each new process)
+    def positive_guide(x, batch_size=None):
+        scale = numpyro.param("scale", 0.5, constraint=dist.constraints.positive)
+        numpyro.sample("mu", dist.Normal(scale, 0.5))
+
+    svi = DPSVI(model, positive_guide, numpyro.optim.Adam(0.05), Trace_ELBO(), clipping_threshold=2.0, dp_scale=1.0)
+    result = svi.run(jax.random.key(0), 30, X, batch_size=50, progress_bar=False)
+    assert float(result.params["scale"]) > 0
+    assert jax.tree.map(float, result.params) == jax.tree.map(float, svi.get_params(result.state))
