@@ -618,6 +618,10 @@ class DPSVI(SVI):
         return local, global_
 
     def _particle_keys(self, rng_key):
+        """One key per particle, split from ``rng_key`` (or already split: a 1-D array of keys)."""
+        typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
+        if jnp.ndim(rng_key) == (1 if typed else 2):  # raw keys carry their words in a last axis
+            return rng_key
         return random.split(rng_key, self.loss.num_particles)
 
     def _record_loss(self, params, rng_key, args, kwargs, record, isolate: bool = True):
@@ -928,6 +932,9 @@ class DPSVI(SVI):
         # variational samples do not: a Threefry key keeps every JAX sampler (gamma, poisson) fast and available.
         if not _is_threefry(elbo_key):
             elbo_key = threefry_key(elbo_key)
+        # split once for the record terms and the global terms: inside run's loop XLA does not merge
+        # the two copies of the split (it does in a step compiled on its own)
+        elbo_key = self._particle_keys(elbo_key)
         if structure.plate_mode:
             indices, mask = self.sampler(batch_key)
             records = (indices, jnp.arange(indices.shape[0]))
