@@ -184,7 +184,7 @@ def inspect_model(
     if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(found)):
         # under an outer trace (chain_method="parallel" initialises kernels inside pmap): the model
         # arguments are concrete, so the trace can run now, op by op. Not by default: every
-        # primitive would then compile a program of its own (1.5 s of a Gibbs sampler's first run).
+        # primitive would then compile a program of its own (1.2 s of a Gibbs sampler's first run).
         with jax.ensure_compile_time_eval():
             found = jax.jit(run)()
     fns, values = jax.device_get(found)

@@ -422,9 +422,6 @@ class SequentialEstimator:
         train = {"z": np.zeros((cap_t, d), fdt), "s": np.zeros((cap_t, M, r), fdt),
                  "logp": np.zeros((cap_t,), fdt)}
         valid = {k: np.zeros((cap_v, *v.shape[1:]), fdt) for k, v in train.items()}
-        log_prior = jax.jit(jax.vmap(sim.log_prior))
-        self._log_prior = log_prior
-
         @jax.jit
         def prepare(z, s, scale, key):
             """Which simulations are finite; the standardized parameters and releases, the log prior
