@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from d3pext._backend import by_backend
+from d3pext._threefry_cpu import threefry2x32_unrolled as _threefry2x32
 from d3pext.accountants import Relation
 
 __all__ = [
@@ -64,36 +65,6 @@ _SORT_MAX_RECORDS = 256
 # from uniform still is 0.18 after 12 rounds and shrinks only by 0.69 per two rounds
 # (exact computation over all 8! permutations), hence the sort below 2**9.
 _FEISTEL_ROUNDS = 16
-
-
-# Threefry-2x32 (Salmon et al. 2011): rotation constants and key-schedule parity.
-_THREEFRY_ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)
-_THREEFRY_PARITY = np.uint32(0x1BD11BDA)
-
-
-def _rotl(x: jax.Array, r: int) -> jax.Array:
-    return lax.shift_left(x, np.uint32(r)) | lax.shift_right_logical(x, np.uint32(32 - r))
-
-
-def _threefry2x32(
-    k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Threefry-2x32 with 20 rounds, the hash behind ``jax.random``'s default PRNG.
-
-    Written out (20 unrolled rounds of plain ``uint32`` ops) rather than bound to
-    ``jax.extend.random.threefry2x32_p``, whose CPU lowering is a loop: nested in the
-    Feistel loop that made compilation several times slower, above all under ``vmap``.
-    """
-    ks = (k0, k1, k0 ^ k1 ^ _THREEFRY_PARITY)
-    x0, x1 = x0 + ks[0], x1 + ks[1]
-    for r in range(20):
-        x0 = x0 + x1
-        x1 = _rotl(x1, _THREEFRY_ROTATIONS[r % 8]) ^ x0
-        if r % 4 == 3:
-            s = r // 4 + 1
-            x0 = x0 + ks[s % 3]
-            x1 = x1 + ks[(s + 1) % 3] + np.uint32(s)
-    return x0, x1
 
 
 def _round_keys(rng_key: jax.Array, num_rounds: int) -> jax.Array:
