@@ -126,6 +126,74 @@ def test_bad_release_and_unsimulable_model():
         post.run(random.key(0), 10)
 
 
+def _mean_model(n):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with numpyro.plate("records", n):
+        numpyro.sample("x", dist.Normal(mu, 1.0))
+
+
+_PRIVATE_MEAN = privatize(_mean_model, site="x", mechanism=LaplaceMechanism(1.0, sensitivity=2.0),
+                          statistic=lambda x: jnp.clip(x, -1, 1).sum(keepdims=True))
+
+
+def test_simulators_of_one_model_share_their_programs_not_their_releases():
+    from d3pext.simulation.sbi import Simulator
+
+    a = Simulator(_PRIVATE_MEAN, {"x_dp": jnp.array([3.0])}, (20,))
+    b = Simulator(_PRIVATE_MEAN, {"x_dp": jnp.array([-5.0])}, (20,))
+    c = Simulator(_PRIVATE_MEAN, {"x_dp": jnp.array([3.0])}, (30,))  # other arguments: other programs
+    assert a.programs is b.programs and a.programs is not c.programs
+    assert float(b.observed[0]) == -5.0
+    for x, y in zip(a.simulate(random.key(0), 8), b.simulate(random.key(0), 8)):
+        np.testing.assert_array_equal(x, y)  # the release is not an input of the simulation
+    # the statistic of 30 records can exceed that of 20: c's program is its own
+    assert float(jnp.abs(c.simulate(random.key(1), 400)[1]).max()) > 20.0
+
+    # a model that reads a changed global is traced and compiled again
+    shift = [0.0]
+
+    def drifting(n):
+        mu = numpyro.sample("mu", dist.Normal(shift[0], 1.0))
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Normal(mu, 1.0))
+
+    private = privatize(drifting, site="x", mechanism=LaplaceMechanism(1.0, sensitivity=2.0),
+                        statistic=lambda x: jnp.clip(x, -1, 1).sum(keepdims=True))
+    before = Simulator(private, {"x_dp": jnp.array([3.0])}, (20,))
+    shift[0] = 5.0
+    after = Simulator(private, {"x_dp": jnp.array([3.0])}, (20,))
+    assert after.programs is not before.programs
+    assert float(after.constrain(after.simulate(random.key(0), 200)[0].mean(0))["mu"]) > 4.0
+
+    from d3pext.simulation.sbi import _hashable
+
+    # arguments key the programs by type and value; where there is no faithful key, none is shared
+    assert _hashable(0.0) != _hashable(-0.0) and _hashable(1) != _hashable(True) != _hashable(1.0)
+    assert _hashable(np.arange(3)) == _hashable(np.arange(3)) != _hashable(np.arange(3.0))
+    for value in (object(), np.zeros(5000), np.array([None])):
+        with pytest.raises(TypeError):
+            _hashable(value)
+
+
+def test_a_second_fit_of_the_same_model_compiles_no_simulation_or_sampler():
+    # another release, another seed: the simulator, the release points, the round's bookkeeping
+    # and SPLE's NUTS sampler are reused; only what is new (none here) compiles
+    from compilations import count_compilations
+
+    fit = dict(rounds=1, simulations_per_round=200, num_points=2, max_epochs=2, num_warmup=20,
+               num_chains=2, flow_kwargs=dict(layers=1, width=4, knots=3), progress_bar=False)
+    draws = {}
+    for i, release in enumerate((3.0, -4.0)):
+        post = private_posterior(_PRIVATE_MEAN, {"x_dp": jnp.array([release])}, method="sple", **fit)
+        with count_compilations() as compiled:
+            post.run(random.key(i), 20)
+            draws[release] = post.sample(random.key(10 + i), 40)["mu"]
+        if i == 1:
+            assert not compiled, compiled
+    # each posterior follows its own release: the statistic clip(x).sum() moves with mu
+    assert float(draws[3.0].mean()) > float(draws[-4.0].mean())
+
+
 # -- simulation rounds over several devices ---------------------------------------------------
 
 

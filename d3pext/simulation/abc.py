@@ -131,6 +131,16 @@ def _simulate(sim, rng_key, num, chunk_size, z=None):
     return np.concatenate(zs)[:num], np.concatenate(releases)[:num]
 
 
+@jax.jit
+def _log_mixture(x, centres, logw, scale_tril):
+    # log sum_j w_j N(x; centres_j, L L'), by whitening both sides: |L^-1 (x - c)|^2
+    xw = jax.scipy.linalg.solve_triangular(scale_tril, x.T, lower=True).T
+    cw = jax.scipy.linalg.solve_triangular(scale_tril, centres.T, lower=True).T
+    sq = jnp.sum(xw**2, 1)[:, None] + jnp.sum(cw**2, 1)[None] - 2 * xw @ cw.T
+    log_norm = jnp.sum(jnp.log(jnp.diag(scale_tril))) + 0.5 * x.shape[1] * jnp.log(2 * jnp.pi)
+    return logsumexp(logw[None] - 0.5 * jnp.maximum(sq, 0.0), 1) - log_norm
+
+
 def _default_scale(s: np.ndarray) -> np.ndarray:
     med = np.median(s, 0)
     mad = np.median(np.abs(s - med), 0)
@@ -242,7 +252,7 @@ def smc_abc(
         )
     sim = _simulator(model, data, model_args, model_kwargs, parameters)
     obs = np.asarray(sim.observed)
-    log_prior = jax.jit(jax.vmap(sim.log_prior))
+    log_prior = sim.programs.extra.setdefault("log-prior", jax.jit(jax.vmap(sim.log_prior)))
     keys = random.split(rng_key, generations)
     z, s = _simulate(sim, keys[0], simulations_per_generation, chunk_size)
     sc = _scale_of(scale, s, obs)
@@ -250,15 +260,6 @@ def smc_abc(
     idx = _closest(d, num_particles)
     particles, dist, w = z[idx], d[idx], np.full(num_particles, 1.0 / num_particles)
     thresholds = [float(dist[-1])]
-
-    @jax.jit
-    def log_mixture(x, centres, logw, scale_tril):
-        # log sum_j w_j N(x; centres_j, L L'), by whitening both sides: |L^-1 (x - c)|^2
-        xw = jax.scipy.linalg.solve_triangular(scale_tril, x.T, lower=True).T
-        cw = jax.scipy.linalg.solve_triangular(scale_tril, centres.T, lower=True).T
-        sq = jnp.sum(xw**2, 1)[:, None] + jnp.sum(cw**2, 1)[None] - 2 * xw @ cw.T
-        log_norm = jnp.sum(jnp.log(jnp.diag(scale_tril))) + 0.5 * x.shape[1] * jnp.log(2 * jnp.pi)
-        return logsumexp(logw[None] - 0.5 * jnp.maximum(sq, 0.0), 1) - log_norm
 
     for g in range(1, generations):
         mean = w @ particles
@@ -276,7 +277,7 @@ def smc_abc(
         idx = _closest(d, num_particles)
         new = z[idx]
         logw = np.asarray(log_prior(jnp.asarray(new))) - np.asarray(
-            log_mixture(jnp.asarray(new), jnp.asarray(particles), jnp.log(jnp.asarray(w)), jnp.asarray(tril))
+            _log_mixture(jnp.asarray(new), jnp.asarray(particles), jnp.log(jnp.asarray(w)), jnp.asarray(tril))
         )
         logw = np.where(np.isfinite(logw), logw, -np.inf)
         w = np.exp(logw - logw.max())

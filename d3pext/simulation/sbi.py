@@ -30,6 +30,7 @@ Use it through the front door::
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 import time
@@ -103,10 +104,13 @@ class Simulator:
         self.model_kwargs = dict(model_kwargs or {})
         given = {**conditioned_releases(model), **dict(data or {})}
         self.model = condition(model, data=dict(data)) if data else model
+        # run forward, each release site takes its statistic: the observed releases play no part,
+        # so the compiled simulation programs depend on the model and its arguments only
+        self._forward = model
         box = {}
 
         def run(key):
-            tr = trace(seed(substitute(self.model, substitute_fn=_statistic_of), key)).get_trace(
+            tr = trace(seed(substitute(self._forward, substitute_fn=_statistic_of), key)).get_trace(
                 *self.model_args, **self.model_kwargs
             )
             box["trace"] = tr
@@ -114,8 +118,8 @@ class Simulator:
 
         try:
             # the structure, shapes and dtypes only: an abstract trace compiles nothing (compiling the
-            # model's forward run took 1-6 s per estimator, every time)
-            values = jax.eval_shape(run, random.key(0))
+            # model's forward run took 1-6 s per estimator, every time); its jaxpr keys the programs
+            forward, values = jax.make_jaxpr(run, return_shape=True)(random.key(0))
         except NotImplementedError as e:
             raise ValueError(
                 "The model cannot be simulated forward (a sample site has no sampler): "
@@ -176,9 +180,10 @@ class Simulator:
             offset += size
         self.observed = jnp.concatenate(obs)
         self.release_dim = offset
-        self._simulate_prior = jax.jit(jax.vmap(lambda k: self._simulate_one(k, None)))
-        self._simulate_given = jax.jit(jax.vmap(self._simulate_one))
-        self._noisy = {}
+        self.programs = _programs_of(self, (model, self.model_args, self.model_kwargs, parameters), forward)
+        self._simulate_prior = self.programs.simulate_prior
+        self._simulate_given = self.programs.simulate_given
+        self._noisy = self.programs.noisy
 
     # -- parameter spaces
     def constrain(self, z: jax.Array) -> dict:
@@ -211,7 +216,7 @@ class Simulator:
                 return values[msg["name"]]
             return _statistic_of(msg)
 
-        tr = trace(seed(substitute(self.model, substitute_fn=fn), random.key(0))).get_trace(
+        tr = trace(seed(substitute(self._forward, substitute_fn=fn), random.key(0))).get_trace(
             *self.model_args, **self.model_kwargs
         )
         lp = sum(jnp.sum(tr[n]["fn"].log_prob(tr[n]["value"])) for n in self.parameters)
@@ -226,7 +231,7 @@ class Simulator:
                 return values[msg["name"]]
             return _statistic_of(msg)
 
-        tr = trace(seed(substitute(self.model, substitute_fn=fn), key)).get_trace(
+        tr = trace(seed(substitute(self._forward, substitute_fn=fn), key)).get_trace(
             *self.model_args, **self.model_kwargs
         )
         u = {n: self.transforms[n].inv(tr[n]["value"]) for n in self.parameters}
@@ -280,6 +285,67 @@ class Simulator:
             self._noisy[key] = jax.jit(noisy)
         fn = self._noisy[key]
         return self._over_devices(lambda s: fn(rng_key, s), jnp.asarray(stat))
+
+
+class SimulationPrograms:
+    """The compiled programs of one model with its arguments, shared by every :class:`Simulator`
+    (and estimator) of that model: a second fit (another release, seed or method) compiles none
+    of them again. ``simulate_prior`` and ``simulate_given`` run the model forward; ``noisy`` holds
+    the release-point programs by ``(num_points, method)``; ``extra`` holds the estimators' own.
+
+    They are shared only where the model function, its arguments *and* its traced forward run
+    (jaxpr and constants) are the same: a model that reads a global changed between two fits is
+    traced and compiled again, not served a stale program."""
+
+    def __init__(self, sim: "Simulator") -> None:
+        # the programs use only what the key fixes (the model, its arguments and the parameters)
+        self.simulate_prior = jax.jit(jax.vmap(lambda k: sim._simulate_one(k, None)))
+        self.simulate_given = jax.jit(jax.vmap(sim._simulate_one))
+        self.noisy: dict = {}
+        self.extra: dict = {}
+
+
+_PROGRAMS: "OrderedDict[tuple, SimulationPrograms]" = OrderedDict()
+_MAX_PROGRAMS = 16  # models whose programs are kept (least recently used first out)
+
+
+def _programs_of(sim: "Simulator", key: tuple, forward: jax.core.ClosedJaxpr) -> SimulationPrograms:
+    """The shared programs of ``key`` = (model, args, kwargs, parameters) with the forward run
+    ``forward``; programs of its own where an argument or constant has no faithful hashable form
+    (e.g. a large or traced array)."""
+    try:
+        key = (_hashable(key), str(forward.jaxpr), _hashable(list(forward.consts)))
+        hash(key)
+    except TypeError:
+        return SimulationPrograms(sim)
+    programs = _PROGRAMS.pop(key, None) or SimulationPrograms(sim)
+    _PROGRAMS[key] = programs
+    while len(_PROGRAMS) > _MAX_PROGRAMS:
+        _PROGRAMS.popitem(last=False)
+    return programs
+
+
+def _hashable(value: Any) -> Any:
+    """A hashable form of a model argument that equals another's only for equal arguments of the
+    same type (floats by ``repr``: ``0.0`` and ``-0.0`` differ); ``TypeError`` where there is none."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError("a traced value")
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        a = np.asarray(value)
+        if a.dtype == object or a.size > 4096:
+            raise TypeError("an object or large array")
+        return (type(value).__name__, a.shape, a.dtype.str, a.tobytes())
+    if isinstance(value, float):
+        return (float, repr(value))
+    if value is None or isinstance(value, (bool, int, complex, str, bytes)):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_hashable(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((_hashable(k), _hashable(v)) for k, v in value.items()))
+    if callable(value):
+        return ("callable", value)  # a function: by identity
+    raise TypeError(f"no hashable form for {type(value).__name__}")
 
 
 def _statistic_of(msg: dict):
@@ -401,14 +467,12 @@ class SequentialEstimator:
         self.simulator: Simulator | None = None
         self.flow = None
         self.scaler: _Scaler | None = None
-        self._compiled: dict = {}
 
     # subclasses: _make_flow, _losses, _propose, _round_summary
     def run(self, rng_key: jax.Array, *model_args: Any, **model_kwargs: Any) -> "SequentialEstimator":
         """Run the ``R`` rounds of simulation and training; returns ``self``."""
         self.simulator = sim = Simulator(self.model, self.data, model_args, model_kwargs,
                                          self.parameters, self.devices)
-        self._compiled = {}
         if self.integration == "rqmc":
             for info in sim.releases.values():
                 if not rqmc.has_inverse_cdf(info.mechanism):
@@ -422,13 +486,17 @@ class SequentialEstimator:
         train = {"z": np.zeros((cap_t, d), fdt), "s": np.zeros((cap_t, M, r), fdt),
                  "logp": np.zeros((cap_t,), fdt)}
         valid = {k: np.zeros((cap_v, *v.shape[1:]), fdt) for k, v in train.items()}
-        @jax.jit
-        def prepare(z, s, scale, key):
-            """Which simulations are finite; the standardized parameters and releases, the log prior
-            and the random permutation that splits them into training and validation rows."""
-            ok = jnp.all(jnp.isfinite(s), (1, 2)) & jnp.all(jnp.isfinite(z), 1)
-            zs, ss = (z - scale[0]) / scale[1], (s - scale[2]) / scale[3]
-            return ok, zs, ss, jax.vmap(sim.log_prior)(z), random.permutation(key, N)
+        prepare = sim.programs.extra.get(("prepare", N))
+        if prepare is None:
+            @jax.jit
+            def prepare(z, s, scale, key):
+                """Which simulations are finite; the standardized parameters and releases, the log
+                prior and the random permutation that splits them into training and validation rows."""
+                ok = jnp.all(jnp.isfinite(s), (1, 2)) & jnp.all(jnp.isfinite(z), 1)
+                zs, ss = (z - scale[0]) / scale[1], (s - scale[2]) / scale[3]
+                return ok, zs, ss, jax.vmap(sim.log_prior)(z), random.permutation(key, N)
+
+            sim.programs.extra["prepare", N] = prepare
 
         key_flow, rng_key = _split_two(rng_key)
         self.diagnostics = []
@@ -632,10 +700,9 @@ class SPPE(SequentialEstimator):
         """Log posterior density of a batch of draws ``{site: (n, ...)}`` (constrained space);
         compiled once per batch shape."""
         self._check_run()
-        if "log_prob" not in self._compiled:
+        sim = self.simulator
+        if "sppe-log-prob" not in sim.programs.extra:
             import equinox as eqx
-
-            sim = self.simulator
 
             @eqx.filter_jit
             def log_prob(flow, params, theta_mean, theta_std, observed):
@@ -644,9 +711,9 @@ class SPPE(SequentialEstimator):
                 lq = flow.log_prob((z - theta_mean) / theta_std, cond) - jnp.sum(jnp.log(theta_std))
                 return lq - jax.vmap(sim.log_abs_det_jacobian)(z)
 
-            self._compiled["log_prob"] = log_prob
+            sim.programs.extra["sppe-log-prob"] = log_prob
         sc = self.scaler
-        return self._compiled["log_prob"](self.flow, dict(params), sc.theta_mean, sc.theta_std,
+        return sim.programs.extra["sppe-log-prob"](self.flow, dict(params), sc.theta_mean, sc.theta_std,
                                           self.observed_standardized)
 
 
@@ -685,7 +752,6 @@ class SPLE(SequentialEstimator):
     def __init__(self, model, data=None, *, max_tree_depth: int = 6, **kwargs):
         super().__init__(model, data, **kwargs)
         self.max_tree_depth = check_int("max_tree_depth", max_tree_depth)
-        self._nuts = {}
         self._last_draws = None
 
     def _make_flow(self, key, d, r):
@@ -694,50 +760,27 @@ class SPLE(SequentialEstimator):
     def _trainer(self, i):
         return _shared_trainer(("sple",), self.train_kwargs, lambda: _sple_loss)
 
-    def _log_target(self, flow, z):
+    def _target_args(self):
         sc = self.scaler
-        zs = (z - sc.theta_mean) / sc.theta_std
-        return self.simulator.log_prior(z) + flow.log_prob(self.observed_standardized, zs)
+        return sc.theta_mean, sc.theta_std, self.observed_standardized
 
     def _run_nuts(self, key, num_chains, per_chain, init, num_warmup):
-        import equinox as eqx
-        from numpyro.infer.hmc import hmc
-
-        shape = (num_chains, per_chain, num_warmup)
-        if shape not in self._nuts:
-            depth = self.max_tree_depth
-
-            @eqx.filter_jit
-            def run(flow, key, init):
-                potential = lambda z: -self._log_target(flow, z)  # noqa: E731
-                init_kernel, sample_kernel = hmc(potential_fn=potential, algo="NUTS")
-
-                def chain(k, z0):
-                    k_init, k_run = random.split(k)
-                    state = init_kernel(z0, num_warmup, max_tree_depth=depth, rng_key=k_init)
-
-                    def body(state, _):
-                        state = sample_kernel(state)
-                        return state, state.z
-
-                    _, zs = lax.scan(body, state, None, length=num_warmup + per_chain)
-                    return zs[num_warmup:]
-
-                return jax.vmap(chain)(random.split(key, num_chains), init)
-
-            self._nuts[shape] = run
-        return self._nuts[shape](self.flow, key, init)
+        programs = self.simulator.programs.extra
+        name = ("sple-nuts", num_chains, per_chain, num_warmup, self.max_tree_depth)
+        if name not in programs:
+            programs[name] = _compile_nuts(self.simulator, *name[1:])
+        return programs[name](self.flow, key, init, *self._target_args())
 
     def _init_points(self, key, num_chains):
         # start the chains at prior draws with the highest target density
         sim = self.simulator
         z, _ = sim.simulate(key, max(200, 4 * num_chains))
-        if "init" not in self._nuts:
+        if "sple-init" not in sim.programs.extra:
             import equinox as eqx
 
-            self._nuts["init"] = eqx.filter_jit(
-                lambda flow, z: jax.vmap(lambda v: self._log_target(flow, v))(z))
-        target = self._nuts["init"](self.flow, z)
+            sim.programs.extra["sple-init"] = eqx.filter_jit(
+                lambda flow, z, *args: jax.vmap(lambda v: _sple_log_target(sim, flow, v, *args))(z))
+        target = sim.programs.extra["sple-init"](self.flow, z, *self._target_args())
         return z[jnp.argsort(-target)[:num_chains]]
 
     def _draw(self, key, num, num_chains, num_warmup):
@@ -771,6 +814,38 @@ class SPLE(SequentialEstimator):
         z = self._unconstrain_batch(params)
         lp = jax.vmap(self.simulator.log_prior)(z) - jax.vmap(self.simulator.log_abs_det_jacobian)(z)
         return lp + self.log_likelihood(params)
+
+
+def _sple_log_target(sim: Simulator, flow, z, theta_mean, theta_std, observed):
+    """``log p(z) + log q(s_obs | z)`` at the unconstrained ``z`` (one draw; SPLE's posterior)."""
+    return sim.log_prior(z) + flow.log_prob(observed, (z - theta_mean) / theta_std)
+
+
+def _compile_nuts(sim: Simulator, num_chains: int, per_chain: int, num_warmup: int, depth: int):
+    """NUTS chains on :func:`_sple_log_target`, compiled once per model and chain layout (the flow,
+    the standardization and the observed release are arguments)."""
+    import equinox as eqx
+    from numpyro.infer.hmc import hmc
+
+    @eqx.filter_jit
+    def run(flow, key, init, *target_args):
+        potential = lambda z: -_sple_log_target(sim, flow, z, *target_args)  # noqa: E731
+        init_kernel, sample_kernel = hmc(potential_fn=potential, algo="NUTS")
+
+        def chain(k, z0):
+            k_init, k_run = random.split(k)
+            state = init_kernel(z0, num_warmup, max_tree_depth=depth, rng_key=k_init)
+
+            def body(state, _):
+                state = sample_kernel(state)
+                return state, state.z
+
+            _, zs = lax.scan(body, state, None, length=num_warmup + per_chain)
+            return zs[num_warmup:]
+
+        return jax.vmap(chain)(random.split(key, num_chains), init)
+
+    return run
 
 
 def _sple_loss(flow, batch, key):
