@@ -22,10 +22,10 @@ def _missing_requirements() -> str:
     return ", ".join(missing)
 
 
-# Notebooks whose CI size still takes over a minute of CPU, almost all of it compiling (several flow
-# trainers; the four constrained-regression samplers; six Kazan & Reiter samplers; six Poisson-factorization
-# Gibbs samplers): run with ``pytest -m slow``; their code paths have fast twins in the unit tests
-# (test_sbi.py, test_regression.py, test_bounded.py, test_counts.py).
+# Notebooks whose CI size takes 35-55 s of CPU, almost all of it compiling (SPPE's and SPLE's flows, NUTS
+# and the IS reference; the four constrained-regression samplers; six Kazan & Reiter samplers; six
+# Poisson-factorization Gibbs samplers): run with ``pytest -m slow``; their code paths have fast twins in
+# the unit tests (test_sbi.py, test_regression.py, test_bounded.py, test_counts.py).
 HEAVY = {"sppe_sple.ipynb", "constrained_regression.ipynb", "bounded_gaussian.ipynb", "locally_private_counts.ipynb"}
 
 
