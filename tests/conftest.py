@@ -50,8 +50,10 @@ LONGEST = {
     "tests/test_expfam.py": 55,
     "tests/test_notebooks.py::test_notebook_runs[expfam_calibration.ipynb]": 48,
     "tests/test_notebooks.py::test_notebook_runs[dpvi_hierarchical_logistic.ipynb]": 46,
+    "tests/test_notebooks.py::test_notebook_runs[bounded_gaussian.ipynb]": 27,
     "tests/test_notebooks.py::test_notebook_runs[sppe_naive_bayes.ipynb]": 25,
     "tests/test_notebooks.py::test_notebook_runs[sppe_sir.ipynb]": 24,
+    "tests/test_notebooks.py::test_notebook_runs[constrained_regression.ipynb]": 22,
     "tests/test_handlers.py": 45,
     "tests/test_compile_once.py": 45,  # with the demo's programs in two subprocesses
     "tests/test_data_parallel.py": 43,

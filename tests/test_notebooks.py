@@ -22,11 +22,11 @@ def _missing_requirements() -> str:
     return ", ".join(missing)
 
 
-# Notebooks whose CI size takes 35-55 s of CPU, almost all of it compiling (SPPE's and SPLE's flows, NUTS
-# and the IS reference; the four constrained-regression samplers; six Kazan & Reiter samplers; six
-# Poisson-factorization Gibbs samplers): run with ``pytest -m slow``; their code paths have fast twins in
-# the unit tests (test_sbi.py, test_regression.py, test_bounded.py, test_counts.py).
-HEAVY = {"sppe_sple.ipynb", "constrained_regression.ipynb", "bounded_gaussian.ipynb", "locally_private_counts.ipynb"}
+# Notebooks whose CI size takes 35-45 s of CPU on a quiet 2-core machine, almost all of it compiling
+# (SPPE's and SPLE's flows, NUTS and the IS reference; six Poisson-factorization Gibbs samplers): run
+# with ``pytest -m slow``; their code paths have fast twins in the unit tests (test_sbi.py, test_counts.py).
+# The others take 16-26 s each.
+HEAVY = {"sppe_sple.ipynb", "locally_private_counts.ipynb"}
 
 
 @pytest.mark.parametrize(
