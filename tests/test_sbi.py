@@ -192,6 +192,10 @@ def test_a_second_fit_of_the_same_model_compiles_no_simulation_or_sampler():
             assert not compiled, compiled
     # each posterior follows its own release: the statistic clip(x).sum() moves with mu
     assert float(draws[3.0].mean()) > float(draws[-4.0].mean())
+    # the chains start from the last round's parameters, or from prior draws where those are too few
+    assert post._init_points(random.key(0), 2).shape == (2, 1)
+    post._last_parameters = post._last_parameters[:3]
+    assert post._init_points(random.key(0), 2).shape == (2, 1)
 
 
 # -- simulation rounds over several devices ---------------------------------------------------
