@@ -628,6 +628,9 @@ def _jitted(name: str) -> Callable:
         fns = {
             "sample": lambda flow, key, num, cond: flow.sample(key, (num,), condition=cond),
             "log_prob": lambda flow, x, cond: flow.log_prob(x, cond),
+            # NUTS's init and step kernels each differentiate the potential: jitted, the flow is
+            # traced once for both (a tenth of the sampler's tracing)
+            "sple_potential": lambda sim, flow, z, *args: -_sple_log_target(sim, flow, z, *args),
         }
         _JITTED[name] = eqx.filter_jit(fns[name])
     return _JITTED[name]
@@ -836,7 +839,7 @@ def _compile_nuts(sim: Simulator, num_chains: int, per_chain: int, num_warmup: i
 
     @eqx.filter_jit
     def run(flow, key, init, *target_args):
-        potential = lambda z: -_sple_log_target(sim, flow, z, *target_args)  # noqa: E731
+        potential = lambda z: _jitted("sple_potential")(sim, flow, z, *target_args)  # noqa: E731
         init_kernel, sample_kernel = hmc(potential_fn=potential, algo="NUTS")
 
         def chain(k, z0):
