@@ -170,7 +170,10 @@ def test_simulators_of_one_model_share_their_programs_not_their_releases():
     # arguments key the programs by type and value; where there is no faithful key, none is shared
     assert _hashable(0.0) != _hashable(-0.0) and _hashable(1) != _hashable(True) != _hashable(1.0)
     assert _hashable(np.arange(3)) == _hashable(np.arange(3)) != _hashable(np.arange(3.0))
-    for value in (object(), np.zeros(5000), np.array([None])):
+    assert _hashable(np.array(1.0)) != _hashable(np.array([1.0])) != _hashable(np.array([[1.0]]))
+    big = np.zeros(50_000)
+    assert _hashable(big) == _hashable(big.copy()) != _hashable(np.where(np.arange(50_000) == 7, 1e-9, big))
+    for value in (object(), np.array([None])):
         with pytest.raises(TypeError):
             _hashable(value)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+import hashlib
 import time
 from typing import Any
 import warnings
@@ -333,9 +334,10 @@ def _hashable(value: Any) -> Any:
         raise TypeError("a traced value")
     if isinstance(value, (jax.Array, np.ndarray, np.generic)):
         a = np.asarray(value)
-        if a.dtype == object or a.size > 4096:
-            raise TypeError("an object or large array")
-        return (type(value).__name__, a.shape, a.dtype.str, a.tobytes())
+        if a.dtype == object or a.nbytes > 1 << 28:
+            raise TypeError("an object array, or one over 256 MiB")
+        digest = hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).hexdigest()
+        return (type(value).__name__, a.shape, a.dtype.str, digest)
     if isinstance(value, float):
         return (float, repr(value))
     if value is None or isinstance(value, (bool, int, complex, str, bytes)):
