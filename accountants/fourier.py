@@ -46,7 +46,6 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import scipy.fft
-import scipy.optimize
 import scipy.special
 
 __all__ = [
@@ -57,6 +56,15 @@ __all__ = [
     "delta",
     "epsilon",
 ]
+
+
+def _brentq(f: Callable[[float], float], a: float, b: float, **kwargs) -> float:
+    """``scipy.optimize.brentq``, imported at its first use: importing ``scipy.optimize`` takes about
+    0.1 s, which a process that finds no root (a release, a ledger, a fit at a given noise multiplier)
+    need not pay."""
+    from scipy.optimize import brentq as scipy_brentq
+
+    return scipy_brentq(f, a, b, **kwargs)
 
 
 class Relation(str, enum.Enum):
@@ -475,7 +483,7 @@ def _log_delta_to_epsilon(log_delta: Callable[[float], float], target_delta: flo
     while log_delta(hi) > log_target:
         hi *= 2.0
     f = lambda e: max(log_delta(e), -1e4) - log_target
-    eps = scipy.optimize.brentq(f, 0.0 if hi == 1.0 else hi / 2.0, hi, xtol=1e-15, rtol=1e-15)
+    eps = _brentq(f, 0.0 if hi == 1.0 else hi / 2.0, hi, xtol=1e-15, rtol=1e-15)
     step = 1e-15
     while f(eps) > 0.0:  # the root's upper side, where delta <= target
         eps, step = eps + max(eps, 1e-12) * step, 2.0 * step
@@ -1547,7 +1555,7 @@ def _closed_form_sigma(
             raise AccountingError(f"no sigma meets epsilon={target}, delta={target_delta}")
         hi, lo = lo, lo - 1.0
         f_lo = excess(lo)
-    root = scipy.optimize.brentq(excess, lo, hi, xtol=1e-13)
+    root = _brentq(excess, lo, hi, xtol=1e-13)
     sigma, eps, checks = _confirmed(relation, math.exp(root), q, num_steps, target, target_delta, 1e-9)
     return SigmaResult(sigma, eps, evaluations + checks)
 
@@ -1937,7 +1945,7 @@ def _sigma_guess(relation: Relation, target: float, target_delta: float, q: floa
     if excess(bounds[0]) >= 0.0 or excess(bounds[1]) <= 0.0:
         log_mu = bounds[0] if excess(bounds[0]) >= 0.0 else bounds[1]
     else:
-        log_mu = scipy.optimize.brentq(excess, *bounds, xtol=1e-6)
+        log_mu = _brentq(excess, *bounds, xtol=1e-6)
     mu2 = math.exp(2.0 * log_mu)
     if q == 1.0:
         return _full_batch_mu(relation, 1.0, num_steps) / math.sqrt(mu2)
@@ -1986,4 +1994,4 @@ def _participation_sigma(target: float, target_delta: float, q: float, num_steps
         lo = math.log(min(1e-3, cap))
         if excess(lo) <= 0.0:
             return cap
-    return math.exp(scipy.optimize.brentq(excess, lo, hi, xtol=1e-3))
+    return math.exp(_brentq(excess, lo, hi, xtol=1e-3))

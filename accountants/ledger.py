@@ -67,7 +67,6 @@ try:
 except ImportError:
     msvcrt = None
 
-from scipy.optimize import brentq
 from scipy.special import log_ndtr
 
 __all__ = [
@@ -181,6 +180,7 @@ def analytic_gaussian_epsilon(delta: float, noise_multiplier: float) -> float:
     hi = mu * mu / 2 + 2 * mu * math.sqrt(2 * math.log(2 / delta)) + 1.0
     while f(hi) > 0:
         hi *= 2
+    from scipy.optimize import brentq  # here: importing it takes 0.1 s
     eps = brentq(f, 0.0, hi, xtol=1e-15, rtol=4 * 2.0**-52)
     while math.exp(_log_gaussian_delta(eps, mu)) > delta:  # round up onto the safe side
         eps = math.nextafter(eps, math.inf) * (1 + 1e-15)
@@ -206,6 +206,7 @@ def analytic_gaussian_noise_multiplier(epsilon: float, delta: float) -> float:
         lo -= 1.0
     while f(hi) > 0:
         hi += 1.0
+    from scipy.optimize import brentq  # here: importing it takes 0.1 s
     z = math.exp(brentq(f, lo, hi, xtol=1e-15, rtol=4 * 2.0**-52))
     while math.exp(_log_gaussian_delta(epsilon, 1.0 / z)) > delta:  # round up onto the safe side
         z = math.nextafter(z, math.inf) * (1 + 1e-15)
