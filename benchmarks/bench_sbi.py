@@ -4,12 +4,16 @@ proposal / simulation / training, and the RQMC-vs-MC RMSE slopes of the inner in
     python benchmarks/bench_sbi.py                      # paper size: 10 rounds x 1000 sims, M = 32
     python benchmarks/bench_sbi.py --rounds 2 --sims 1000 --num-points 8 --layers 4 --width 32
     python benchmarks/bench_sbi.py --profile --num-points 32      # per-step costs, extrapolated
+    python benchmarks/bench_sbi.py --refit                        # first vs repeated fits (compiling)
 
 Prints one table row per method (seconds, and the share spent training) and the slopes. With
 ``--profile`` it prints instead the compiled cost of one training step of each loss (maximum
 likelihood, atomic APT, SPLE), of one validation pass over the fixed-capacity buffer with and
 without skipping the batches of padding, and a lower bound on the time of ``rounds`` rounds
-(every round at least ``patience + 1`` epochs over all simulations so far).
+(every round at least ``patience + 1`` epochs over all simulations so far). With ``--refit`` it
+times, at the SPPE/SPLE notebook's small size, a first SPPE fit and ``sample``, then fits of the
+same model on another release, with another seed and by SPLE, and a second SPLE ``sample``, as ratios
+to the first: what compiling costs each (run it in a fresh process).
 """
 
 from __future__ import annotations
@@ -48,6 +52,34 @@ def fit(method: str, args) -> dict:
         "train_s": sum(r["train_s"] for r in d), "epochs": sum(r["epochs"] for r in d),
         "mean": [round(float(v), 2) for v in draws.mean(0)],
     }
+
+
+def refit() -> None:
+    """First against repeated fits of one model, at the notebook's small size."""
+    model = private_linear_regression(100, 10.0, sensitivity=0.13)
+    small = dict(rounds=1, simulations_per_round=400, num_points=4, max_epochs=20, learning_rate=5e-3,
+                 patience=10, flow_kwargs=dict(layers=2, width=16, knots=6), progress_bar=False,
+                 num_warmup=100, num_chains=4)
+    other = [0.9 * v for v in PAPER_S_DP]
+    print("(the notebook's small size: 1 round x 400 simulations, M = 4, flow 2 layers x 16)")
+    rows = []
+    for label, method, release, seed in (("first SPPE fit", "sppe", PAPER_S_DP, 0),
+                                         ("SPPE, another release", "sppe", other, 0),
+                                         ("SPPE, another seed", "sppe", PAPER_S_DP, 1),
+                                         ("SPLE, same model", "sple", PAPER_S_DP, 0),
+                                         ("SPLE, another release", "sple", other, 0)):
+        post = private_posterior(model, {"records_dp": jnp.array(release)}, method=method, **small)
+        t0 = time.perf_counter()
+        post.run(random.key(seed), 100)
+        t1 = time.perf_counter()
+        jax.block_until_ready(post.sample(random.key(2), 300))
+        rows.append((label, t1 - t0, time.perf_counter() - t1))
+    first_fit, first_sample = rows[0][1], rows[0][2]
+    for label, fit_s, sample_s in rows:
+        print(f"{label:24s} fit {fit_s:6.2f} s ({fit_s / first_fit:5.2f}x the first SPPE fit), "
+              f"sample {sample_s:5.2f} s")
+    print(f"SPLE's sample, first / second object: {rows[3][2]:.2f} / {rows[4][2]:.2f} s "
+          f"({rows[4][2] / rows[3][2]:.2f}x); SPPE's first sample {first_sample:.2f} s")
 
 
 def _timed(fn, *args, repeat: int = 3) -> tuple[float, float]:
@@ -131,6 +163,7 @@ def main() -> None:
     p.add_argument("--methods", default="sple,sppe")
     p.add_argument("--skip-slopes", action="store_true")
     p.add_argument("--profile", action="store_true", help="per-step costs only (see above)")
+    p.add_argument("--refit", action="store_true", help="first vs repeated fits only (see above)")
     args = p.parse_args()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores, load "
@@ -138,6 +171,9 @@ def main() -> None:
           f"{args.layers} layers x {args.width}")
     if args.profile:
         profile(args)
+        return
+    if args.refit:
+        refit()
         return
     if not args.skip_slopes:
         for name, (mc, q, ratio) in slopes().items():
