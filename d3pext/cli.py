@@ -250,6 +250,7 @@ def _run_demo(
     from numpyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 
     from d3pext import DPSVI
+    from d3pext.compile_cache import cached_jit
     from d3pext.models import logistic_guide, logistic_regression
 
     def with_intercept(x):
@@ -290,7 +291,7 @@ def _run_demo(
     # program (and its compile-cache entry) changed from one run to the next
     plain_svi = SVI(logistic_regression, logistic_guide, optim, TraceMeanField_ELBO())
     # one compiled program for init and steps (one cache entry) instead of NumPyro's eager init
-    plain = jax.jit(lambda key, x, y: plain_svi.run(key, steps, x, y, batch_size=batch_size, progress_bar=False))(
+    plain = cached_jit(lambda key, x, y: plain_svi.run(key, steps, x, y, batch_size=batch_size, progress_bar=False))(
         plain_key, x_train, y_train
     )
     plain_seconds = time.perf_counter() - start

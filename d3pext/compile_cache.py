@@ -54,7 +54,10 @@ import warnings
 from pathlib import Path
 from typing import Optional, Union
 
-__all__ = ["enable_compile_cache", "default_cache_dir", "DEFAULT_MAX_SIZE", "MIN_COMPILE_TIME_SECS"]
+__all__ = [
+    "enable_compile_cache", "default_cache_dir", "cached_jit", "compile_traced", "DEFAULT_MAX_SIZE",
+    "MIN_COMPILE_TIME_SECS", "PROGRAMS_MAX_SIZE",
+]
 
 DISABLE_ENV = "D3PEXT_NO_COMPILE_CACHE"
 DIR_ENV = "D3PEXT_CACHE_DIR"
@@ -70,6 +73,13 @@ about 20 ms, so programs under about 0.05 s are not worth keeping.
 
 DEFAULT_MAX_SIZE = 1 << 30
 """Bytes the cache may hold (1 GiB); ``d3pext demo`` writes 4 entries, under 0.5 MB."""
+
+
+PROGRAMS_MAX_SIZE = 1 << 28
+"""Bytes d3pext's own program store may hold (256 MiB; see :func:`compile_traced`); ``d3pext demo``
+writes 4 programs, about 2 MB."""
+
+_programs_dir: Optional[Path] = None  # set by enable_compile_cache: where compile_traced keeps programs
 
 
 def _truthy(value: Optional[str]) -> bool:
@@ -141,4 +151,244 @@ def enable_compile_cache(
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     if max_size is not None and jax.config.jax_compilation_cache_max_size == -1:
         jax.config.update("jax_compilation_cache_max_size", max_size)
+    global _programs_dir
+    _programs_dir = directory / PROGRAMS_SUBDIR  # JAX's eviction looks only at the files of its directory
     return directory
+
+
+# ------------------------------------------------------------------ d3pext's program store
+
+PROGRAMS_SUBDIR = "d3pext-programs"
+_FORMAT = "d3pext-program-1"
+_build: Optional[str] = None
+
+
+def _environment_key() -> str:
+    """Everything besides the traced program that decides what XLA builds from it: versions, the
+    backend and its devices, XLA's flags, d3pext's CPU lowering of Threefry and JAX's configuration
+    (read on every call: it can change during a process, or within a ``with`` block)."""
+    global _build
+    if _build is None:
+        import hashlib
+        import platform
+
+        import jax
+        import jaxlib
+
+        import d3pext
+        from d3pext import _threefry_cpu
+
+        device = jax.devices()[0]
+        lowering = hashlib.sha256(Path(_threefry_cpu.__file__).read_bytes()).hexdigest()
+        _build = repr((
+            _FORMAT, jax.__version__, jaxlib.__version__, d3pext.__version__, sys.version, platform.machine(),
+            jax.default_backend(), device.client.platform_version, device.device_kind, jax.device_count(),
+            os.environ.get("XLA_FLAGS", ""), _threefry_cpu.installed(), lowering,
+        ))  # fmt: skip
+    import jax
+
+    return _build + repr(sorted((name, repr(value)) for name, value in jax.config.values.items()))
+
+
+def _primitive_names(jaxpr, found: set) -> set:
+    for eqn in jaxpr.eqns:
+        found.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for value in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    _primitive_names(inner, found)
+    return found
+
+
+def _program_key(traced) -> Optional[str]:
+    """A digest of the traced program and its environment, or ``None`` for a program that is not
+    stored (host callbacks, effects, a printed form that names objects by their address)."""
+    import hashlib
+    import re
+
+    import jax
+    import numpy as np
+
+    closed = traced.jaxpr
+    if closed.effects or any("callback" in name for name in _primitive_names(closed.jaxpr, set())):
+        return None  # a host callback is bound to this process's Python objects
+    text = str(closed)
+    if re.search(r" at 0x[0-9a-fA-F]+", text):
+        return None  # would never match again: not worth a file per run
+    digest = hashlib.sha256()
+    for part in (_environment_key(), text, traced.in_tree, traced.out_tree,
+                 [(aval.str_short(), aval.weak_type) for aval in closed.in_avals]):  # fmt: skip
+        digest.update(str(part).encode())
+        digest.update(b"\0")
+    for const in closed.consts:
+        if jax.dtypes.issubdtype(getattr(const, "dtype", None), jax.dtypes.prng_key):
+            digest.update(str(jax.random.key_impl(const)).encode())
+            const = jax.random.key_data(const)
+        value = np.asarray(const)
+        if value.dtype == object:
+            return None
+        digest.update(f"{value.dtype}{value.shape}".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()
+
+
+_hits = None  # per thread: JAX cache hits seen while compile_traced compiles
+
+
+def _count_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits" and getattr(_hits, "count", None) is not None:
+        _hits.count += 1
+
+
+def _compile(traced) -> tuple:
+    """``(executable, fresh)``: lowered and compiled, and whether XLA built it here. An executable that
+    JAX read back from its own cache does not serialise whole on a CPU (its kernels are missing when
+    it is loaded again, and it fails only when run), so only a fresh one may be stored."""
+    global _hits
+    if _hits is None:
+        import threading
+
+        import jax
+
+        _hits = threading.local()
+        jax.monitoring.register_event_listener(_count_hit)
+    _hits.count = 0
+    try:
+        executable = traced.lower().compile()
+        return executable, _hits.count == 0
+    finally:
+        _hits.count = None
+
+
+def _store(directory: Path, path: Path, payload: bytes) -> None:
+    """Write ``path`` whole or not at all, then drop the least recently used other programs beyond
+    :data:`PROGRAMS_MAX_SIZE`."""
+    import hashlib
+    import tempfile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(hashlib.sha256(payload).digest() + payload)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    entries = []
+    for entry in directory.glob("*.xla"):
+        try:
+            stat = entry.stat()
+        except OSError:  # removed by another process meanwhile
+            continue
+        entries.append((stat.st_mtime, stat.st_size, entry))
+    total = sum(size for _, size, _ in entries)
+    for _, size, entry in sorted(entries, key=lambda e: e[0]):
+        if total <= PROGRAMS_MAX_SIZE:
+            break
+        if entry != path:  # the program just written stays, whatever its size
+            entry.unlink(missing_ok=True)
+            total -= size
+
+
+def compile_traced(traced):
+    """``traced.lower().compile()``; where :func:`enable_compile_cache` is on, the executable is kept
+    by d3pext, keyed by the traced program, and read back in later processes without lowering.
+
+    JAX's own cache keys a program by its lowered form, so a new process must trace and lower every
+    program before it can look one up: for the demo's private fit that is more time than reading the
+    executable back. Here the key is a digest of the printed jaxpr (every equation, its parameters and
+    nested programs), the values of its constants, the argument types and tree structures, and the
+    environment that turns a jaxpr into an executable: JAX, jaxlib and d3pext versions, the backend
+    and its devices, ``XLA_FLAGS``, JAX's configuration and d3pext's CPU lowering of Threefry. A
+    lowering rule registered by your own code is not part of the key: after changing one, delete the
+    ``d3pext-programs`` folder of the cache directory.
+
+    Programs with host callbacks or side effects are never stored. An entry that cannot be read back
+    (damaged, or from an incompatible build) is compiled again and replaced.
+
+    >>> import jax, jax.numpy as jnp
+    >>> compile_traced(jax.jit(jnp.sin).trace(jnp.zeros(3)))(jnp.zeros(3))
+    Array([0., 0., 0.], dtype=float32)
+    """
+    directory = _programs_dir
+    key = _program_key(traced) if directory is not None else None
+    if key is None:
+        return traced.lower().compile()
+    import hashlib
+
+    from jax.experimental.serialize_executable import deserialize_and_load, serialize
+
+    path = directory / f"{key}.xla"
+    try:
+        stored = path.read_bytes()
+    except OSError:
+        stored = None
+    if stored is not None and hashlib.sha256(stored[32:]).digest() == stored[:32]:
+        try:
+            compiled = deserialize_and_load(stored[32:], traced.in_tree, traced.out_tree)
+        except Exception:  # e.g. written by a build that cannot be told apart by the key
+            compiled = None
+        if compiled is not None:
+            try:
+                os.utime(path)  # the store evicts by modification time
+            except OSError:
+                pass
+            return compiled
+    compiled, fresh = _compile(traced)
+    if not fresh:  # JAX's cache had it (e.g. from a run before d3pext kept programs): found there again
+        return compiled
+    try:
+        _store(directory, path, serialize(compiled)[0])
+    except Exception as e:  # a full disk or a read-only directory costs the next process a compile, no more
+        warnings.warn(f"d3pext could not store a compiled program in {directory}: {e}", RuntimeWarning, stacklevel=2)
+    return compiled
+
+
+class _CachedJit:
+    """``jax.jit(fun)`` whose executables go through :func:`compile_traced` where the program store is on
+    (one device, arguments on it, called outside any trace); elsewhere it is ``jax.jit(fun)`` itself."""
+
+    def __init__(self, fun, **jit_kwargs):
+        import jax
+
+        self._jit = jax.jit(fun, **jit_kwargs)
+        self._compiled = {}
+
+    def __call__(self, *args):
+        import jax
+
+        if _programs_dir is None or jax.config.jax_disable_jit:
+            return self._jit(*args)
+        leaves, treedef = jax.tree.flatten(args)
+        device = jax.devices()[0]
+        for leaf in leaves:
+            if isinstance(leaf, jax.core.Tracer) or (
+                isinstance(leaf, jax.Array) and (leaf.committed and leaf.sharding.device_set != {device})
+            ):
+                return self._jit(*args)
+        # with JAX's configuration, as jit's own cache: a ``with jax.default_matmul_precision(...)``
+        # block or another default device builds another program
+        signature = (treedef, tuple(jax.typeof(leaf) for leaf in leaves), tuple(jax.config.values.items()))
+        compiled = self._compiled.get(signature)
+        if compiled is None:
+            compiled = self._compiled[signature] = compile_traced(self._jit.trace(*args))
+        return compiled(*args)
+
+    def trace(self, *args, **kwargs):
+        return self._jit.trace(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._jit.lower(*args, **kwargs)
+
+
+def cached_jit(fun, **jit_kwargs) -> _CachedJit:
+    """``jax.jit(fun, **jit_kwargs)``, its programs kept by d3pext across processes where
+    :func:`enable_compile_cache` is on (see :func:`compile_traced`).
+
+    >>> import jax.numpy as jnp
+    >>> cached_jit(lambda x: 2.0 * x)(jnp.ones(2))
+    Array([2., 2.], dtype=float32)
+    """
+    return _CachedJit(fun, **jit_kwargs)

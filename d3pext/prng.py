@@ -207,12 +207,31 @@ def _random_bits(key: jax.Array, bit_width: int, shape: tuple[int, ...]) -> jax.
     return bits.reshape(shape)
 
 
+# The implementation's operations are plain module functions: a key type is pickled with its
+# implementation, by reference, and only those find the same objects again (a jitted function pickles
+# as a new one). d3pext's program store (d3pext.compile_cache) pickles the types of a program's keys.
+def _impl_seed(seed: jax.Array) -> jax.Array:
+    return _seed(seed)
+
+
+def _impl_split(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return _split(key, shape)
+
+
+def _impl_random_bits(key: jax.Array, bit_width: int, shape: tuple[int, ...]) -> jax.Array:
+    return _random_bits(key, bit_width, shape)
+
+
+def _impl_fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
+    return _fold_in(key, data)
+
+
 CHACHA20 = define_prng_impl(
     key_shape=(_KEY_WORDS,),
-    seed=_seed,
-    split=_split,
-    random_bits=_random_bits,
-    fold_in=_fold_in,
+    seed=_impl_seed,
+    split=_impl_split,
+    random_bits=_impl_random_bits,
+    fold_in=_impl_fold_in,
     name="chacha20",
     tag="chacha20",
 )

@@ -39,6 +39,7 @@ from numpyro.util import is_prng_key
 
 from d3pext import accountants
 from d3pext.accountants import Relation
+from d3pext.compile_cache import cached_jit, compile_traced
 from d3pext.training.clipping import CLIPPED_SUMS, choose_clipping
 from d3pext.training.dependence import dependent_outputs
 from d3pext.training.minibatch import FixedSizeSampler, PoissonSampler
@@ -730,7 +731,7 @@ class DPSVI(SVI):
         losses = self._isolation_checks.get(static)
         if losses is None:  # one compiled check per structure: op-by-op it costs seconds of dispatch
 
-            @jax.jit
+            @cached_jit
             def losses(params, key, args, dyn):
                 key = threefry_key(key)
                 kw = {**dyn, **dict(static)}
@@ -911,7 +912,7 @@ class DPSVI(SVI):
             if changed or any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(transforms)):
                 return None  # decided on the trace: nothing is compiled only to be thrown away
             try:
-                executable = traced.lower().compile()
+                executable = compile_traced(traced)
             except Exception:
                 return None
             self._inits[signature] = executable, found["constrain_fn"], found["traces"]
@@ -1209,5 +1210,5 @@ class DPSVI(SVI):
                 state, losses = lax.fori_loop(0, count, body, (state, losses))
                 return state, losses, self.constrain_fn(self.optim.get_params(state.optim_state))
 
-            self._chunks[key] = jax.jit(chunk)
+            self._chunks[key] = cached_jit(chunk)
         return self._chunks[key]
