@@ -165,8 +165,10 @@ _build: Optional[str] = None
 
 def _environment_key() -> str:
     """Everything besides the traced program that decides what XLA builds from it: versions, the
-    backend and its devices, XLA's flags, d3pext's CPU lowering of Threefry and JAX's configuration
-    (read on every call: it can change during a process, or within a ``with`` block)."""
+    backend and its devices, XLA's flags, d3pext's CPU lowering of Threefry (its only lowering rule;
+    the rest of d3pext shapes programs through their jaxprs, so its version is left out and an
+    upgrade finds the programs it did not change) and JAX's configuration (read on every call: it
+    can change during a process, or within a ``with`` block)."""
     global _build
     if _build is None:
         import hashlib
@@ -175,13 +177,12 @@ def _environment_key() -> str:
         import jax
         import jaxlib
 
-        import d3pext
         from d3pext import _threefry_cpu
 
         device = jax.devices()[0]
         lowering = hashlib.sha256(Path(_threefry_cpu.__file__).read_bytes()).hexdigest()
         _build = repr((
-            _FORMAT, jax.__version__, jaxlib.__version__, d3pext.__version__, sys.version, platform.machine(),
+            _FORMAT, jax.__version__, jaxlib.__version__, sys.version, platform.machine(),
             jax.default_backend(), device.client.platform_version, device.device_kind, jax.device_count(),
             os.environ.get("XLA_FLAGS", ""), _threefry_cpu.installed(), lowering,
         ))  # fmt: skip
@@ -241,10 +242,18 @@ def _count_hit(event: str, **kwargs) -> None:
         _hits.count += 1
 
 
+# A compile option that changes JAX's cache key and nothing XLA builds (it only affects dumps).
+_AGAIN = {"xla_dump_large_constants": False}
+
+
 def _compile(traced) -> tuple:
-    """``(executable, fresh)``: lowered and compiled, and whether XLA built it here. An executable that
-    JAX read back from its own cache does not serialise whole on a CPU (its kernels are missing when
-    it is loaded again, and it fails only when run), so only a fresh one may be stored."""
+    """``(executable, fresh)``: lowered and compiled, and whether XLA built it here.
+
+    An executable that JAX read back from its own cache does not serialise whole on a CPU (its
+    kernels are missing when it is loaded again, and it fails only when run). After such a hit, for
+    example for a program that a run before d3pext kept programs compiled, it is compiled once more
+    under another JAX key; if that is a hit as well (the store lost its entry), it is used unstored.
+    """
     global _hits
     if _hits is None:
         import threading
@@ -253,10 +262,14 @@ def _compile(traced) -> tuple:
 
         _hits = threading.local()
         jax.monitoring.register_event_listener(_count_hit)
-    _hits.count = 0
+    lowered = traced.lower()
     try:
-        executable = traced.lower().compile()
-        return executable, _hits.count == 0
+        for options in (None, _AGAIN):
+            _hits.count = 0
+            executable = lowered.compile(compiler_options=options)
+            if _hits.count == 0:
+                return executable, True
+        return executable, False
     finally:
         _hits.count = None
 
@@ -337,7 +350,7 @@ def compile_traced(traced):
                 pass
             return compiled
     compiled, fresh = _compile(traced)
-    if not fresh:  # JAX's cache had it (e.g. from a run before d3pext kept programs): found there again
+    if not fresh:
         return compiled
     try:
         _store(directory, path, serialize(compiled)[0])

@@ -98,18 +98,26 @@ def test_programs_with_host_callbacks_are_not_stored(store):
     assert entries(store) == []
 
 
-def test_an_executable_read_from_jax_s_cache_is_not_stored(store, monkeypatch):
-    # on a CPU such an executable serialises without its kernels and fails when run in the next
-    # process; a compile that JAX reports as a cache hit is therefore used but not stored
+def test_an_executable_read_from_jax_s_cache_is_compiled_again_before_it_is_stored(store, monkeypatch):
+    # on a CPU an executable that JAX read from its cache serialises without its kernels and fails when
+    # run in the next process: after a hit the program is compiled again under another JAX key, and
+    # stored only if that one is built afresh
     real = jax.stages.Lowered.compile
+    options = []
 
-    def hit(self, *args, **kwargs):
-        jax.monitoring.record_event("/jax/compilation_cache/cache_hits")
-        return real(self, *args, **kwargs)
+    def hit_unless_again(self, compiler_options=None, **kwargs):
+        options.append(compiler_options)
+        if compiler_options is None or hits_always:
+            jax.monitoring.record_event("/jax/compilation_cache/cache_hits")
+        return real(self, compiler_options=compiler_options, **kwargs)
 
-    monkeypatch.setattr(jax.stages.Lowered, "compile", hit)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", hit_unless_again)
+    hits_always = True
     np.testing.assert_allclose(cached_jit(jnp.exp)(jnp.zeros(2)), 1.0)
-    assert entries(store) == []
+    assert entries(store) == [] and options == [None, compile_cache._AGAIN]
+    hits_always = False
+    np.testing.assert_allclose(cached_jit(jnp.exp)(jnp.zeros(3)), 1.0)
+    assert len(entries(store)) == 1
 
 
 def test_the_store_drops_its_least_recently_used_entries_beyond_its_size(store, monkeypatch):
@@ -186,3 +194,31 @@ def test_a_second_demo_process_lowers_nothing_and_fits_the_same(tmp_path):
     assert second["lowered"] == 0 and first["lowered"] >= 4
     assert entries(tmp_path / compile_cache.PROGRAMS_SUBDIR) == stored
     assert second["dp"] == first["dp"] and second["plain"] == first["plain"]
+
+
+_SMALL = """
+import sys, jax, jax.numpy as jnp
+import d3pext
+from d3pext.compile_cache import cached_jit
+if sys.argv[2] == "jax-only":  # JAX's cache alone, as before d3pext kept programs
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+else:
+    d3pext.enable_compile_cache(sys.argv[1], min_compile_time_secs=0.0)
+fn = cached_jit(lambda x, key: jnp.cumsum(jnp.sin(x)) + jax.random.normal(key, x.shape))
+print(fn(jnp.linspace(0.0, 1.0, 5), jax.random.key(0)).tolist())
+"""
+
+
+def test_programs_already_in_jax_s_cache_are_stored_whole_and_run_in_the_next_process(tmp_path):
+    def run(mode):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("D3PEXT_")}
+        proc = subprocess.run([sys.executable, "-c", _SMALL, str(tmp_path), mode], env={**env, "JAX_PLATFORMS": "cpu"},
+                              check=True, timeout=120, capture_output=True, text=True)  # fmt: skip
+        return proc.stdout.strip()
+
+    expected = run("jax-only")
+    assert entries(tmp_path / compile_cache.PROGRAMS_SUBDIR) == []
+    assert run("store") == expected  # JAX's cache hits: compiled once more, afresh, and stored
+    assert len(entries(tmp_path / compile_cache.PROGRAMS_SUBDIR)) == 1
+    assert run("store") == expected  # read back from the store, and it runs
