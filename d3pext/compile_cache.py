@@ -32,6 +32,12 @@ with it often misses the cache. Run such scripts with a fixed ``PYTHONHASHSEED``
 ``PYTHONHASHSEED=0 python fit.py``), or use ``TraceMeanField_ELBO`` where its closed-form KL applies
 (the demo's non-private fit does).
 
+JAX's cache finds a program by its lowered form, so a new process still traces and lowers each one
+before it can look it up. d3pext's own programs (DPSVI's init, record-isolation check and steps, and
+the demo's non-private fit) are also kept in the ``d3pext-programs`` folder of the directory, keyed
+by their traced program, and read back without lowering (:func:`compile_traced`); use
+:func:`cached_jit` for your own. That folder holds at most :data:`PROGRAMS_MAX_SIZE` bytes.
+
 Processes running at once (two notebooks, a script beside ``d3pext demo``) can share the directory:
 the cache holds at most :data:`DEFAULT_MAX_SIZE` bytes, and with a size limit JAX locks the directory
 around each read and write (``filelock``) and evicts the least recently used entries. Without a limit
