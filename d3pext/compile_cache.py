@@ -390,7 +390,10 @@ class _CachedJit:
         # with JAX's configuration, as jit's own cache: a ``with jax.default_matmul_precision(...)``
         # block or another default device builds another program
         signature = (treedef, tuple(jax.typeof(leaf) for leaf in leaves), tuple(jax.config.values.items()))
-        compiled = self._compiled.get(signature)
+        try:
+            compiled = self._compiled.get(signature)
+        except TypeError:  # a configuration value that cannot be hashed
+            return self._jit(*args)
         if compiled is None:
             compiled = self._compiled[signature] = compile_traced(self._jit.trace(*args))
         return compiled(*args)
@@ -400,6 +403,10 @@ class _CachedJit:
 
     def lower(self, *args, **kwargs):
         return self._jit.lower(*args, **kwargs)
+
+    def _cache_size(self) -> int:
+        """Executables held, jit's and the store's (as ``jax.jit(...)._cache_size``)."""
+        return self._jit._cache_size() + len(self._compiled)
 
 
 def cached_jit(fun, **jit_kwargs) -> _CachedJit:

@@ -50,10 +50,13 @@ def test_a_stored_program_is_read_back_without_lowering_and_gives_the_same_resul
     first = cached_jit(affine)(x, key)
     assert len(entries(store)) == 1
     no_lowering()
-    again = cached_jit(affine)(x, key)  # a new object, as in a new process: nothing in memory
+    fn = cached_jit(affine)  # a new object, as in a new process: nothing in memory
+    again = fn(x, key)
     for a, b in zip(first, again):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert len(entries(store)) == 1
+    fn(x + 1.0, jax.random.key(2))
+    assert fn._cache_size() == 1  # the same types: the same executable
 
 
 def test_every_change_to_the_program_or_its_types_is_another_entry(store):
