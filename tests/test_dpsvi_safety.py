@@ -64,6 +64,36 @@ def test_data_in_a_param_initial_value_is_refused():
         dpsvi(model).init(jax.random.key(0), X)
 
 
+def test_a_global_term_that_reads_which_records_were_sampled_is_refused():
+    # the plate's indices are the batch: an unclipped global term that depends on them would reveal
+    # it, and the subsampling's amplification assumes the batch is secret
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=B) as idx:
+            numpyro.sample("x", dist.Normal(mu, 1.0), obs=numpyro.subsample(x, event_dim=0))
+        numpyro.sample("tau", dist.Normal(0.01 * jnp.sum(idx), 1.0))
+
+    with pytest.raises(ValueError, match="model site 'tau' .* can depend on the data or on which records"):
+        dpsvi(model).init(jax.random.key(0), X)
+
+
+def test_the_steps_run_the_proven_global_program():
+    # the global part's program proven at init is what the steps evaluate: the model is not traced
+    # again for it, and the results are those of tracing it afresh
+    svi = dpsvi(normal_model)
+    svi.init(jax.random.key(0), X)
+    assert len(svi._global_programs) == 1
+    svi._global_loss = None  # a step that traced the global part afresh would fail
+    kept = svi.run(jax.random.key(1), 30, X, progress_bar=False)
+    fresh = dpsvi(normal_model)
+    fresh.init(jax.random.key(0), X)
+    fresh._global_programs.clear()
+    fresh._global_programs = {}.fromkeys(())  # stays empty: the steps trace the global part
+    traced = fresh.run(jax.random.key(1), 30, X, progress_bar=False)
+    for a, b in zip(jax.tree.leaves(kept.params), jax.tree.leaves(traced.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
 def test_a_record_term_reading_other_records_is_refused():
     def model(x):
         mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax, random
+from jax.extend.core import jaxpr_as_fun
 
 from numpyro.handlers import Messenger, replay, seed, substitute, trace
 from numpyro.infer import SVI, Trace_ELBO
@@ -41,7 +42,7 @@ from d3pext import accountants
 from d3pext.accountants import Relation
 from d3pext.compile_cache import cached_jit, compile_traced
 from d3pext.training.clipping import CLIPPED_SUMS, choose_clipping
-from d3pext.training.dependence import dependent_outputs
+from d3pext.training.dependence import dependent_outputs, jaxpr_dependence
 from d3pext.training.minibatch import FixedSizeSampler, PoissonSampler
 from d3pext.training.parallel import check_data, check_mesh, data_parallel_clipped_sum
 from d3pext.prng import secure_key, threefry_key
@@ -407,6 +408,7 @@ class DPSVI(SVI):
         self._chunks = {}
         self._isolation_checks = {}
         self._independence_proofs = set()  # signatures whose global part was proven independent of the data
+        self._global_programs = {}  # step signature -> (jaxpr, output tree) of the proven global part
         self._inits = {}
         self._replicate = None  # with a mesh: the compiled identity that replicates a state over it
         self._op_by_op_init = False  # set for good once tracing init changed the model or guide
@@ -671,14 +673,24 @@ class DPSVI(SVI):
         except Exception:
             pass
 
+    def _elbo_keys(self, rng_key):
+        """The keys of the ELBO's variational samples, as a step makes them from one of its keys: Threefry,
+        one per particle."""
+        if not _is_threefry(rng_key):
+            rng_key = threefry_key(rng_key)
+        return self._particle_keys(rng_key)
+
     def _check_global_independence(self, params, rng_key, args, kwargs) -> None:
         """Refuse a model whose global (unclipped, noise-free) part can depend on the data.
 
         Proven on the traced program (:mod:`d3pext.training.dependence`), not tested on examples:
         the value and gradient of every global term, and the initial value of every ``param``
-        site, are followed back through the jaxpr to the data arguments. A proof holds for every
-        later init with the same structure and the same types of data, parameters, keyword arrays
-        and key (the compiled steps are traced once for these too), so it is kept and not repeated.
+        site, are followed back through the jaxpr to the data arguments and, in plate mode, to the
+        index of the batch's record that the global terms are computed with (the batch is secret
+        too: the subsampling's amplification assumes it). The proven program of the global part is
+        kept and is what the compiled steps run. A proof holds for every later init with the same
+        structure and the same types of data, parameters, keyword arrays and key, so it is kept and
+        not repeated.
         """
         dyn, static = _split_kwargs(kwargs)
         leaves, treedef = jax.tree.flatten((args, params, dyn, rng_key))
@@ -688,12 +700,24 @@ class DPSVI(SVI):
             if proof in self._independence_proofs:
                 return
         kw = {**dyn, **dict(static)}
+        keys = jax.eval_shape(self._elbo_keys, rng_key)  # abstract: splitting op by op compiles a program
+        index = np.zeros((), np.int32) if self.structure.plate_mode else None  # a step's first sampled record
 
-        def global_part(data, params):
-            return jax.value_and_grad(self._global_loss)(params, rng_key, data, kw, 0)
+        def global_part(data, params, dyn, keys, index):
+            kw = {**dyn, **dict(static)}
+            return jax.value_and_grad(self._global_loss)(params, keys, data, kw, 0 if index is None else index)
 
-        def global_sites(data, params):
-            return self._global_terms(params, rng_key, data, kw, 0)
+        def global_sites(data, params, dyn, keys, index):
+            kw = {**dyn, **dict(static)}
+            return self._global_terms(params, keys, data, kw, 0 if index is None else index)
+
+        def secret_dependence(fn):
+            """Marks of fn's outputs that can depend on the data or the sampled record, and its jaxpr."""
+            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(args, params, dyn, keys, index)
+            counts = [len(jax.tree.leaves(part)) for part in (args, params, dyn, keys, index)]
+            secret = [True] * counts[0] + [False] * sum(counts[1:4]) + [True] * counts[4]
+            out_tree = jax.tree.structure(out_shape)
+            return jax.tree.unflatten(out_tree, jaxpr_dependence(closed, secret)), closed, out_tree
 
         def param_inits(data):
             full = {**kw, **self.static_kwargs}
@@ -703,22 +727,40 @@ class DPSVI(SVI):
                 inits.update({f"{role} param {n!r}": s["value"] for n, s in tr.items() if s["type"] == "param"})
             return inits
 
-        if not any(jax.tree.leaves(dependent_outputs(global_part, args, params))):
+        marks, program, out_tree = secret_dependence(global_part)
+        if not any(jax.tree.leaves(marks)):
             leaks = []
         else:
-            marks = dependent_outputs(global_sites, args, params)
+            marks = secret_dependence(global_sites)[0]
             leaks = [name for name, m in marks.items() if m] or ["the global terms"]
         marks = dependent_outputs(param_inits, args)
         leaks += [name for name, m in marks.items() if any(jax.tree.leaves(m))]
         if leaks:
             raise ValueError(
                 f"{', '.join(leaks)} outside the data plate {self.structure.plate_name!r} can depend on the data "
-                "(found in the traced program): DPSVI would use it without clipping or noise. Move every use of "
-                "the records inside the data plate, or compute such statistics with a private release and pass "
-                "them as keyword arguments."
+                "or on which records the batch holds (found in the traced program): DPSVI would use it without "
+                "clipping or noise. Move every use of the records, and of the plate's indices, inside the data "
+                "plate, or compute such statistics with a private release and pass them as keyword arguments."
             )
         if proof is not None:
+            treedef = jax.tree.structure((args, params, dyn, keys, index))
+            self._global_programs[(static, treedef, tuple(program.in_avals))] = program, out_tree
+        if proof is not None:
             self._independence_proofs.add(proof)
+
+    def _global_value_and_grad(self, params, keys, args, kwargs, index):
+        """Value and gradient of the global loss (``index``: the batch's first record in plate mode, else
+        ``None``): the program that init proved independent of the data and the batch where one was kept
+        for these types, so that the steps run what was proven (and do not trace the model for it again)."""
+        dyn, static = _split_kwargs(kwargs)
+        leaves, treedef = jax.tree.flatten((args, params, dyn, keys, index))
+        kept = None
+        if all(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves):
+            kept = self._global_programs.get((static, treedef, tuple(jax.typeof(leaf) for leaf in leaves)))
+        if kept is None:
+            return jax.value_and_grad(self._global_loss)(params, keys, args, kwargs, 0 if index is None else index)
+        program, out_tree = kept
+        return jax.tree.unflatten(out_tree, jaxpr_as_fun(program)(*leaves))
 
     def _check_record_isolation(self, params, rng_key, args, kwargs) -> None:
         """In plate mode each record's term is computed from copies of that record alone; refuse a
@@ -792,6 +834,7 @@ class DPSVI(SVI):
             self._chunks.clear()
             self._isolation_checks.clear()
             self._independence_proofs.clear()
+            self._global_programs.clear()
             self.structure, self.sampler = structure, sampler
             if self.target_epsilon is not None:
                 self.dp_scale = None
@@ -931,11 +974,9 @@ class DPSVI(SVI):
         batch_key, elbo_key, noise_key = random.split(rng_key, 3) if jnp.ndim(rng_key) == 0 else rng_key
         # The batch and the noise carry the privacy guarantee and use the caller's (e.g. ChaCha20) key. The
         # variational samples do not: a Threefry key keeps every JAX sampler (gamma, poisson) fast and available.
-        if not _is_threefry(elbo_key):
-            elbo_key = threefry_key(elbo_key)
         # split once for the record terms and the global terms: inside run's loop XLA does not merge
         # the two copies of the split (it does in a step compiled on its own)
-        elbo_key = self._particle_keys(elbo_key)
+        elbo_key = self._elbo_keys(elbo_key)
         if structure.plate_mode:
             indices, mask = self.sampler(batch_key)
             records = (indices, jnp.arange(indices.shape[0]))
@@ -968,7 +1009,9 @@ class DPSVI(SVI):
         if noise_std is None:
             noise_std = self.dp_scale * c
         noisy = [(g + noise_std * z) * scale for g, z in zip(leaves, _standard_normals(noise_key, leaves))]
-        global_loss, global_grads = jax.value_and_grad(self._global_loss)(params, elbo_key, args, kwargs, indices[0] if structure.plate_mode else 0)
+        global_loss, global_grads = self._global_value_and_grad(
+            params, elbo_key, args, kwargs, indices[0] if structure.plate_mode else None
+        )
         grads = jax.tree.map(jnp.add, jax.tree.unflatten(treedef, noisy), global_grads)
         loss = scale * jnp.sum(jnp.where(mask, losses, 0.0)) + global_loss
         return loss, grads, dropped
