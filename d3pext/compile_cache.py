@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 __all__ = [
-    "enable_compile_cache", "default_cache_dir", "cached_jit", "compile_traced", "DEFAULT_MAX_SIZE",
+    "enable_compile_cache", "default_cache_dir", "cached_jit", "compile_traced", "program_digest", "DEFAULT_MAX_SIZE",
     "MIN_COMPILE_TIME_SECS", "PROGRAMS_MAX_SIZE",
 ]
 
@@ -208,26 +208,35 @@ def _primitive_names(jaxpr, found: set) -> set:
     return found
 
 
-def _program_key(traced) -> Optional[str]:
-    """A digest of the traced program and its environment, or ``None`` for a program that is not
-    stored (host callbacks, effects, a printed form that names objects by their address)."""
+def program_digest(closed) -> Optional[str]:
+    """A digest of a traced program (a ``ClosedJaxpr``): its printed form, with every equation, its
+    parameters and nested programs, the values of its constants and its argument types; ``None`` for a
+    program that cannot be told apart this way (host callbacks or effects, which are bound to this
+    process's Python objects; a printed form that names objects by their address; object constants).
+
+    Two programs with equal digests compute the same function of their arguments.
+
+    >>> import jax, jax.numpy as jnp
+    >>> a = program_digest(jax.make_jaxpr(lambda x: x * 2.0)(jnp.ones(3)))
+    >>> a == program_digest(jax.make_jaxpr(lambda y: y * 2.0)(jnp.ones(3)))
+    True
+    >>> a == program_digest(jax.make_jaxpr(lambda x: x * 3.0)(jnp.ones(3)))
+    False
+    """
     import hashlib
     import re
 
     import jax
     import numpy as np
 
-    closed = traced.jaxpr
     if closed.effects or any("callback" in name for name in _primitive_names(closed.jaxpr, set())):
-        return None  # a host callback is bound to this process's Python objects
+        return None
     text = str(closed)
     if re.search(r" at 0x[0-9a-fA-F]+", text):
-        return None  # would never match again: not worth a file per run
+        return None
     digest = hashlib.sha256()
-    for part in (_environment_key(), text, traced.in_tree, traced.out_tree,
-                 [(aval.str_short(), aval.weak_type) for aval in closed.in_avals]):  # fmt: skip
-        digest.update(str(part).encode())
-        digest.update(b"\0")
+    digest.update(text.encode())
+    digest.update(str([(aval.str_short(), aval.weak_type) for aval in closed.in_avals]).encode())
     for const in closed.consts:
         if jax.dtypes.issubdtype(getattr(const, "dtype", None), jax.dtypes.prng_key):
             digest.update(str(jax.random.key_impl(const)).encode())
@@ -237,6 +246,21 @@ def _program_key(traced) -> Optional[str]:
             return None
         digest.update(f"{value.dtype}{value.shape}".encode())
         digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()
+
+
+def _program_key(traced) -> Optional[str]:
+    """The store's key of a traced program: its :func:`program_digest`, its argument and result trees
+    and its environment; ``None`` for a program that is not stored."""
+    import hashlib
+
+    program = program_digest(traced.jaxpr)
+    if program is None:
+        return None
+    digest = hashlib.sha256()
+    for part in (_environment_key(), program, traced.in_tree, traced.out_tree):
+        digest.update(str(part).encode())
+        digest.update(b"\0")
     return digest.hexdigest()
 
 

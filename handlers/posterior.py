@@ -145,6 +145,7 @@ class PrivatePosterior(MCMCKernel):
         self.backend: Backend | None = None
         self._batched = False
         self._release_values: dict[str, jax.Array] | None = None
+        self._fingerprint: str | None = None  # of the model's traced run (see inspect_model), set by prepare
 
     @property
     def model(self) -> Callable:
@@ -156,6 +157,7 @@ class PrivatePosterior(MCMCKernel):
         """Trace the model, pick the backend and build its kernel (done by ``init`` if needed)."""
         pm = inspect_model(self._model, self._data, model_args, dict(model_kwargs or {}))
         self.backend, self.inner = select_backend(pm, self.method, self.options)
+        self._fingerprint = pm.fingerprint
         return self.inner
 
     def _kwargs(self, model_kwargs: dict | None, releases: Mapping | None = None) -> dict:
@@ -170,13 +172,15 @@ class PrivatePosterior(MCMCKernel):
 
     def _structure(self, model_args: tuple, model_kwargs: dict | None) -> tuple | None:
         """What the compiled sampler depends on besides the release values, or ``None`` when it
-        cannot be shared: a backend registered by the user (which may keep release values), or
-        model arguments that are arrays or otherwise unhashable."""
-        if self.backend not in BUILTIN_BACKENDS:
+        cannot be shared: a backend registered by the user (which may keep release values), a model
+        run that cannot be fingerprinted, or model arguments that are arrays or otherwise unhashable."""
+        if self.backend not in BUILTIN_BACKENDS or self._fingerprint is None:
             return None
         releases = tuple((k, v.shape, v.dtype, v.weak_type) for k, v in sorted(self._releases().items()))
         key = (
-            self._model, self.backend, _frozen(self.options), self._batched, releases,
+            # the model's traced run, not only its identity: a model whose global changed since an
+            # earlier kernel was built runs another program, and that kernel's sampler is not its own
+            self._model, self._fingerprint, self.backend, _frozen(self.options), self._batched, releases,
             bool(jax.config.jax_enable_x64), model_args, tuple(sorted((model_kwargs or {}).items())),
         )
         try:

@@ -14,13 +14,14 @@ import numpyro.distributions as dist
 import d3pext.handlers.posterior as posterior
 import d3pext.inference.mcmc as cached_mcmc
 from d3pext.handlers import private_posterior
-from d3pext.handlers.privatize import privatize_counts
+from d3pext.handlers.privatize import privatize, privatize_counts
 from d3pext.inference.bounded import FlatPrior
 from d3pext.inference.expfam_backend import bernstein_sheldon_kernel
 from d3pext.inference.registry import register_backend, unregister_backend
 from d3pext.models import private_bounded_gaussian, private_constrained_regression
-from d3pext.models.expfam import private_beta_binomial
+from d3pext.models.expfam import beta_binomial_model, private_beta_binomial
 from d3pext.releases.counts import GeometricMechanism
+from d3pext.releases.mechanisms import LaplaceMechanism
 
 from compilations import count_compilations
 
@@ -66,6 +67,33 @@ def test_another_release_reuses_the_compiled_sampler():
     draws = _check_reuse(model, releases, (100,), num_warmup=50, num_samples=100, num_chains=2)
     assert draws["theta"].shape == (2, 100)
     assert draws["theta"].mean() > 0.5  # the draws are of the second release (71.9 of 100)
+
+
+PRIOR = {"concentration1": 2.0}
+
+
+def _global_prior_model(n, x=None):
+    beta_binomial_model(n, x, concentration1=PRIOR["concentration1"], concentration0=3.0)
+
+
+def test_a_model_whose_global_changed_gets_its_own_sampler():
+    # the same model function and arguments, but a global it reads changed between the two kernels:
+    # another program, so the first kernel's backend and sampler must not be reused
+    model = privatize(_global_prior_model, site="x", mechanism=LaplaceMechanism(0.5))
+    release = {"x_dp": jnp.asarray(71.9)}
+    kwargs = dict(num_warmup=50, num_samples=100, num_chains=2)
+    _forget_shared()
+    try:
+        first, _ = _draws(model, release, (100,), 0, **kwargs)
+        PRIOR["concentration1"] = 40.0
+        mcmc, changed = _draws(model, release, (100,), 1, **kwargs)
+        assert mcmc.sampler.inner is not first.sampler.inner
+        _forget_shared()
+        _, cold = _draws(model, release, (100,), 1, **kwargs)
+    finally:
+        PRIOR["concentration1"] = 2.0
+    jax.tree.map(np.testing.assert_array_equal, changed, cold)
+    assert changed["theta"].mean() > 0.7  # the prior Beta(40, 3) pulls theta up
 
 
 def test_user_backends_are_not_shared():

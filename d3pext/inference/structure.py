@@ -21,6 +21,7 @@ from numpyro.handlers import condition, seed, substitute, trace
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.primitives import CondIndepStackFrame
 
+from d3pext.compile_cache import program_digest
 from d3pext.distributions.expfam import conjugate_parameters, record_distribution
 from d3pext.releases.info import CONFIDENTIAL, ReleaseInfo, release_sites
 
@@ -70,12 +71,17 @@ class PrivateModel:
     :param releases: the release sites' :class:`~d3pext.releases.info.ReleaseInfo`.
     :param values: concrete values of the latent sites (drawn uniformly in the unconstrained
         space, fixed key) and of the record parameters, keyed ``"source:parameter"``.
+    :param fingerprint: :func:`~d3pext.compile_cache.program_digest` of the traced model run, the
+        release values its arguments: equal for every release of the same shapes, and different
+        wherever the model computes something else (a global it reads changed, say); ``None`` where
+        the run cannot be told apart that way.
     """
 
     model: Callable
     sites: Mapping[str, Site]
     releases: Mapping[str, ReleaseInfo]
     values: Mapping[str, Any]
+    fingerprint: str | None = None
 
     @property
     def latent(self) -> tuple[str, ...]:
@@ -151,15 +157,14 @@ def inspect_model(
     """
     data = dict(data or {})
     conditioned_model = released(model)
-    model_kwargs = {**model_kwargs, RELEASES_KWARG: data}
     static = {}
 
-    def run():
+    def run(data):
         tr = trace(
             substitute(
                 seed(conditioned_model, random.key(0)), substitute_fn=init_to_uniform_but_confidential
             )
-        ).get_trace(*model_args, **model_kwargs)
+        ).get_trace(*model_args, **{**model_kwargs, RELEASES_KWARG: data})
         samples = {name: site for name, site in tr.items() if site["type"] == "sample"}
         static["sites"] = {
             name: (
@@ -180,13 +185,17 @@ def inspect_model(
         fns = {name: (site["fn"], site["value"]) for name, site in samples.items()}
         return fns, values
 
-    found = jax.jit(run)()
+    # the release values are arguments, not constants: the traced program, and its digest, are those
+    # of every release of the same shapes
+    program = jax.jit(run)
+    fingerprint = program_digest(program.trace(data).jaxpr)
+    found = program(data)
     if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(found)):
         # under an outer trace (chain_method="parallel" initialises kernels inside pmap): the model
         # arguments are concrete, so the trace can run now, op by op. Not by default: every
         # primitive would then compile a program of its own (1.2 s of a Gibbs sampler's first run).
         with jax.ensure_compile_time_eval():
-            found = jax.jit(run)()
+            found = program(data)
     fns, values = jax.device_get(found)
     sites = {
         name: Site(name, fns[name][0], fns[name][1], observed, infer, plates)
@@ -216,4 +225,4 @@ def inspect_model(
                 f"The confidential site {info.source!r} of release {name!r} is observed; the "
                 "analyst's model must leave it latent (pass no confidential data)."
             )
-    return PrivateModel(conditioned_model, sites, releases, values)
+    return PrivateModel(conditioned_model, sites, releases, values, fingerprint)
