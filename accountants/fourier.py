@@ -67,6 +67,18 @@ def _brentq(f: Callable[[float], float], a: float, b: float, **kwargs) -> float:
     return scipy_brentq(f, a, b, **kwargs)
 
 
+def _bisect(f: Callable[[float], float], lo: float, hi: float, xtol: float) -> float:
+    """A root of ``f`` in ``[lo, hi]`` within ``xtol``, for ``f(lo) < 0 < f(hi)``, by bisection: where a
+    rough root is enough (a search's first guess), without importing ``scipy.optimize``."""
+    while hi - lo > xtol:
+        mid = 0.5 * (lo + hi)
+        if f(mid) < 0.0:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
 class Relation(str, enum.Enum):
     """Neighbouring relation, tied to the minibatch sampling scheme that it describes.
 
@@ -1945,7 +1957,7 @@ def _sigma_guess(relation: Relation, target: float, target_delta: float, q: floa
     if excess(bounds[0]) >= 0.0 or excess(bounds[1]) <= 0.0:
         log_mu = bounds[0] if excess(bounds[0]) >= 0.0 else bounds[1]
     else:
-        log_mu = _brentq(excess, *bounds, xtol=1e-6)
+        log_mu = _bisect(excess, *bounds, xtol=1e-6)  # a first guess: a rough root will do
     mu2 = math.exp(2.0 * log_mu)
     if q == 1.0:
         return _full_batch_mu(relation, 1.0, num_steps) / math.sqrt(mu2)
