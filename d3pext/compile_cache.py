@@ -383,8 +383,12 @@ def compile_traced(traced):
     if not fresh:
         return compiled
     try:
-        _store(directory, path, serialize(compiled)[0])
-    except Exception as e:  # a full disk or a read-only directory costs the next process a compile, no more
+        payload = serialize(compiled)[0]
+    except Exception:  # a program JAX cannot serialise (e.g. with constants passed as arguments): not kept
+        return compiled
+    try:
+        _store(directory, path, payload)
+    except OSError as e:  # a full disk or a read-only directory costs the next process a compile, no more
         warnings.warn(f"d3pext could not store a compiled program in {directory}: {e}", RuntimeWarning, stacklevel=2)
     return compiled
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -153,6 +154,28 @@ def test_inside_a_trace_and_on_another_device_it_is_jax_jit(store):
     if len(devices) > 1:
         np.testing.assert_allclose(double(jax.device_put(jnp.ones(2), devices[1])), 2.0)
         assert entries(store) == []
+
+
+def test_a_program_that_cannot_be_serialised_or_written_still_runs(store, monkeypatch):
+    from jax.experimental import serialize_executable
+
+    def refuse(compiled):
+        raise NotImplementedError("serialize_executables with const_args")
+
+    monkeypatch.setattr(serialize_executable, "serialize", refuse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not worth a warning: such a program is simply not kept
+        np.testing.assert_allclose(cached_jit(jnp.sinh)(jnp.zeros(2)), 0.0)
+    assert entries(store) == []
+    monkeypatch.undo()
+    monkeypatch.setattr(compile_cache, "_programs_dir", store)
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compile_cache, "_store", full_disk)  # a write that fails: a warning, and the result
+    with pytest.warns(RuntimeWarning, match="could not store a compiled program.*No space left"):
+        np.testing.assert_allclose(cached_jit(jnp.cosh)(jnp.zeros(2)), 1.0)
 
 
 def test_the_store_is_off_unless_the_compile_cache_is_enabled(tmp_path, monkeypatch):
