@@ -285,5 +285,8 @@ def test_cli_turns_the_compile_cache_on(monkeypatch):
     with pytest.raises(SystemExit):  # a batch larger than the data: refused after the cache call
         main(["demo", "--batch-size", "100000"])
     assert calls == [1]
+    import gc
+
+    assert gc.isenabled()  # the demo turns collection off while it imports; also on its way out by an error
     main(["epsilon", "--sigma", "2", "--q", "0.01", "--steps", "10", "--delta", "1e-5"])
     assert calls == [1]  # the accounting commands compile nothing and leave JAX alone
