@@ -87,11 +87,27 @@ def test_the_steps_run_the_proven_global_program():
     kept = svi.run(jax.random.key(1), 30, X, progress_bar=False)
     fresh = dpsvi(normal_model)
     fresh.init(jax.random.key(0), X)
-    fresh._global_programs.clear()
-    fresh._global_programs = {}.fromkeys(())  # stays empty: the steps trace the global part
+    fresh._global_programs.clear()  # nothing kept: the steps trace (and prove) the global part afresh
     traced = fresh.run(jax.random.key(1), 30, X, progress_bar=False)
+    assert fresh._global_programs == {}
     for a, b in zip(jax.tree.leaves(kept.params), jax.tree.leaves(traced.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_a_step_proves_the_global_part_for_types_that_init_did_not_see():
+    # whatever init proved, a step runs only a proven global part: with init's check skipped, the
+    # step's own proof still refuses a global site that reads the data
+    svi = dpsvi(with_prior_loc(jnp.std))
+    svi._check_global_independence = lambda *args: None
+    state = svi.init(jax.random.key(0), X)
+    assert svi._global_programs == {}
+    with pytest.raises(ValueError, match="model site 'mu' outside the data plate 'data' can depend on the data"):
+        svi.update(state, X)
+    clean = dpsvi(normal_model)
+    state = clean.init(jax.random.key(0), X)
+    clean._global_programs.clear()  # nothing kept: the step proves it, and runs
+    state, loss = clean.update(state, X)
+    assert np.isfinite(float(loss))
 
 
 def test_a_record_term_reading_other_records_is_refused():

@@ -688,9 +688,9 @@ class DPSVI(SVI):
         site, are followed back through the jaxpr to the data arguments and, in plate mode, to the
         index of the batch's record that the global terms are computed with (the batch is secret
         too: the subsampling's amplification assumes it). The proven program of the global part is
-        kept and is what the compiled steps run. A proof holds for every later init with the same
-        structure and the same types of data, parameters, keyword arrays and key, so it is kept and
-        not repeated.
+        kept and is what the compiled steps run (:meth:`_global_value_and_grad`). A proof holds for
+        every later init with the same structure and the same types of data, parameters, keyword
+        arrays and key, so it is kept and not repeated.
         """
         dyn, static = _split_kwargs(kwargs)
         leaves, treedef = jax.tree.flatten((args, params, dyn, rng_key))
@@ -700,24 +700,6 @@ class DPSVI(SVI):
             if proof in self._independence_proofs:
                 return
         kw = {**dyn, **dict(static)}
-        keys = jax.eval_shape(self._elbo_keys, rng_key)  # abstract: splitting op by op compiles a program
-        index = np.zeros((), np.int32) if self.structure.plate_mode else None  # a step's first sampled record
-
-        def global_part(data, params, dyn, keys, index):
-            kw = {**dyn, **dict(static)}
-            return jax.value_and_grad(self._global_loss)(params, keys, data, kw, 0 if index is None else index)
-
-        def global_sites(data, params, dyn, keys, index):
-            kw = {**dyn, **dict(static)}
-            return self._global_terms(params, keys, data, kw, 0 if index is None else index)
-
-        def secret_dependence(fn):
-            """Marks of fn's outputs that can depend on the data or the sampled record, and its jaxpr."""
-            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(args, params, dyn, keys, index)
-            counts = [len(jax.tree.leaves(part)) for part in (args, params, dyn, keys, index)]
-            secret = [True] * counts[0] + [False] * sum(counts[1:4]) + [True] * counts[4]
-            out_tree = jax.tree.structure(out_shape)
-            return jax.tree.unflatten(out_tree, jaxpr_dependence(closed, secret)), closed, out_tree
 
         def param_inits(data):
             full = {**kw, **self.static_kwargs}
@@ -727,14 +709,40 @@ class DPSVI(SVI):
                 inits.update({f"{role} param {n!r}": s["value"] for n, s in tr.items() if s["type"] == "param"})
             return inits
 
-        marks, program, out_tree = secret_dependence(global_part)
-        if not any(jax.tree.leaves(marks)):
-            leaks = []
-        else:
-            marks = secret_dependence(global_sites)[0]
-            leaks = [name for name, m in marks.items() if m] or ["the global terms"]
         marks = dependent_outputs(param_inits, args)
-        leaks += [name for name, m in marks.items() if any(jax.tree.leaves(m))]
+        self._prove_global_part(
+            args, params, dyn, static, jax.eval_shape(self._elbo_keys, rng_key),  # abstract: no split op by op
+            np.zeros((), np.int32) if self.structure.plate_mode else None,  # a step's first sampled record
+            keep=proof is not None,
+            leaks=[name for name, m in marks.items() if any(jax.tree.leaves(m))],
+        )
+        if proof is not None:
+            self._independence_proofs.add(proof)
+
+    def _prove_global_part(self, args, params, dyn, static, keys, index, keep: bool, leaks=()) -> tuple:
+        """The global part's value and gradient traced as a program of ``(args, params, dyn, keys,
+        index)``, with its output tree; refused (with ``leaks``, names found already) where an output
+        can depend on the data or on the sampled record ``index``. Kept for the steps if ``keep``."""
+
+        def traced(fn):
+            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(args, params, dyn, keys, index)
+            counts = [len(jax.tree.leaves(part)) for part in (args, params, dyn, keys, index)]
+            secret = [True] * counts[0] + [False] * sum(counts[1:4]) + [True] * counts[4]
+            out_tree = jax.tree.structure(out_shape)
+            return jax.tree.unflatten(out_tree, jaxpr_dependence(closed, secret)), closed, out_tree
+
+        def global_part(data, params, dyn, keys, index):
+            kw = {**dyn, **dict(static)}
+            return jax.value_and_grad(self._global_loss)(params, keys, data, kw, 0 if index is None else index)
+
+        def global_sites(data, params, dyn, keys, index):
+            kw = {**dyn, **dict(static)}
+            return self._global_terms(params, keys, data, kw, 0 if index is None else index)
+
+        marks, program, out_tree = traced(global_part)
+        leaks = list(leaks)
+        if any(jax.tree.leaves(marks)):
+            leaks = [name for name, m in traced(global_sites)[0].items() if m] + leaks or ["the global terms"]
         if leaks:
             raise ValueError(
                 f"{', '.join(leaks)} outside the data plate {self.structure.plate_name!r} can depend on the data "
@@ -742,23 +750,21 @@ class DPSVI(SVI):
                 "clipping or noise. Move every use of the records, and of the plate's indices, inside the data "
                 "plate, or compute such statistics with a private release and pass them as keyword arguments."
             )
-        if proof is not None:
+        if keep:
             treedef = jax.tree.structure((args, params, dyn, keys, index))
             self._global_programs[(static, treedef, tuple(program.in_avals))] = program, out_tree
-        if proof is not None:
-            self._independence_proofs.add(proof)
+        return program, out_tree
 
     def _global_value_and_grad(self, params, keys, args, kwargs, index):
         """Value and gradient of the global loss (``index``: the batch's first record in plate mode, else
-        ``None``): the program that init proved independent of the data and the batch where one was kept
-        for these types, so that the steps run what was proven (and do not trace the model for it again)."""
+        ``None``), by the program that was proven independent of the data and the batch: the one init
+        kept for these types, else one proven here (types init did not see, e.g. ``update`` on data of
+        another shape). The steps run what was proven, and do not trace the model again for it."""
         dyn, static = _split_kwargs(kwargs)
         leaves, treedef = jax.tree.flatten((args, params, dyn, keys, index))
-        kept = None
-        if all(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves):
-            kept = self._global_programs.get((static, treedef, tuple(jax.typeof(leaf) for leaf in leaves)))
+        kept = self._global_programs.get((static, treedef, tuple(jax.typeof(leaf) for leaf in leaves)))
         if kept is None:
-            return jax.value_and_grad(self._global_loss)(params, keys, args, kwargs, 0 if index is None else index)
+            kept = self._prove_global_part(args, params, dyn, static, keys, index, keep=False)
         program, out_tree = kept
         return jax.tree.unflatten(out_tree, jaxpr_as_fun(program)(*leaves))
 
