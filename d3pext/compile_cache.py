@@ -296,12 +296,27 @@ def _compile(traced) -> tuple:
     try:
         for options in (None, _AGAIN):
             _hits.count = 0
-            executable = lowered.compile(compiler_options=options)
+            with _without_jax_cache_writes():  # the store keeps it: no second copy in JAX's cache
+                executable = lowered.compile(compiler_options=options)
             if _hits.count == 0:
                 return executable, True
         return executable, False
     finally:
         _hits.count = None
+
+
+def _without_jax_cache_writes():
+    """A context in which JAX reads its cache but writes nothing to it (this thread only), where this
+    JAX has the setting as a context manager; else no change."""
+    import contextlib
+    import math
+
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.persistent_cache_min_compile_time_secs(math.inf)
+    except Exception:
+        return contextlib.nullcontext()
 
 
 def _store(directory: Path, path: Path, payload: bytes) -> None:

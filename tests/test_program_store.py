@@ -60,6 +60,26 @@ def test_a_stored_program_is_read_back_without_lowering_and_gives_the_same_resul
     assert fn._cache_size() == 1  # the same types: the same executable
 
 
+def test_a_stored_program_is_not_also_written_to_jax_s_cache(store):
+    cache_dir = jax.config.jax_compilation_cache_dir
+    assert cache_dir  # the test process keeps a cache of its own (conftest)
+
+    def new_entries(before):
+        return [name for name in set(os.listdir(cache_dir)) - before if name.endswith("-cache")]
+
+    previous = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        x = jnp.ones(5)  # (op by op: an entry of its own)
+        before = set(os.listdir(cache_dir))
+        cached_jit(lambda v: jnp.tanh(v) * 3.0)(x)
+        assert len(entries(store)) == 1 and new_entries(before) == []
+        jax.jit(lambda v: jnp.tanh(v) * 4.0)(x)  # JAX itself does write here
+        assert new_entries(before)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
+
+
 def test_every_change_to_the_program_or_its_types_is_another_entry(store):
     x = jnp.ones(3)
     scale = {"value": 2.0}
