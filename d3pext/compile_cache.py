@@ -364,7 +364,8 @@ def compile_traced(traced):
     ``d3pext-programs`` folder of the cache directory.
 
     Programs with host callbacks or side effects are never stored. An entry that cannot be read back
-    (damaged, or from an incompatible build) is compiled again and replaced.
+    (damaged, or from an incompatible build) is compiled again and replaced. A program stored here is
+    not written to JAX's cache as well.
 
     >>> import jax, jax.numpy as jnp
     >>> compile_traced(jax.jit(jnp.sin).trace(jnp.zeros(3)))(jnp.zeros(3))
