@@ -214,7 +214,8 @@ def program_digest(closed) -> Optional[str]:
     program that cannot be told apart this way (host callbacks or effects, which are bound to this
     process's Python objects; a printed form that names objects by their address; object constants).
 
-    Two programs with equal digests compute the same function of their arguments.
+    Under the same JAX configuration and lowering rules (one process, say), two programs with equal
+    digests compute the same function of their arguments.
 
     >>> import jax, jax.numpy as jnp
     >>> a = program_digest(jax.make_jaxpr(lambda x: x * 2.0)(jnp.ones(3)))
