@@ -51,6 +51,7 @@ from numpyro.distributions import biject_to
 from numpyro.handlers import condition, seed, substitute, trace
 
 from d3pext._backend import by_backend
+from d3pext.compile_cache import program_digest
 from d3pext.simulation import rqmc
 from d3pext.simulation.flows import FlowTrainer, conditional_spline_flow, require_flowjax
 from d3pext.inference.structure import conditioned_releases
@@ -313,10 +314,13 @@ _MAX_PROGRAMS = 16  # models whose programs are kept (least recently used first 
 
 def _programs_of(sim: "Simulator", key: tuple, forward: jax.core.ClosedJaxpr) -> SimulationPrograms:
     """The shared programs of ``key`` = (model, args, kwargs, parameters) with the forward run
-    ``forward``; programs of its own where an argument or constant has no faithful hashable form
-    (e.g. a large or traced array)."""
+    ``forward`` (by its :func:`~d3pext.compile_cache.program_digest`); programs of its own where an
+    argument has no faithful hashable form (e.g. a large or traced array) or the run no digest."""
+    digest = program_digest(forward)
+    if digest is None:  # a forward run that cannot be told apart by its digest (host callbacks, ...)
+        return SimulationPrograms(sim)
     try:
-        key = (_hashable(key), str(forward.jaxpr), _hashable(list(forward.consts)))
+        key = (_hashable(key), digest)
         hash(key)
     except TypeError:
         return SimulationPrograms(sim)
