@@ -28,7 +28,7 @@ SUBPACKAGES = [
 FIRST = {
     "d3pext.handlers": ["privatize", "posterior"],
     "d3pext.releases": ["mechanisms", "exact", "counts", "info"],
-    "d3pext.training": ["svi", "clipping", "ghost", "minibatch"],
+    "d3pext.training": ["svi", "clipping", "ghost", "minibatch", "noise"],
     "d3pext.inference": ["structure", "registry", "gibbs_base", "draws", "expfam_backend", "expfam_gibbs"],
     "d3pext.simulation": ["sbi", "flows", "rqmc", "abc"],
     "d3pext.accountants": ["fourier", "ledger"],

@@ -161,8 +161,12 @@ def test_logistic_runs_and_recovers_weights_at_large_epsilon():
     assert result.privacy.epsilon <= 20.0
     z = (np.asarray(result.params["w_loc"]) - np.asarray(w_true)) / post_sd
     assert np.all(np.abs(z) < 4.5), z
-    # The mean-field scale should match the posterior sd (the posterior is close to Gaussian here).
-    assert np.all(np.abs(np.asarray(result.params["w_scale"]) / post_sd - 1.0) < 0.5)
+    # The mean-field scale is of the posterior sd's order, neither collapsed nor blown up. Its gradient is
+    # second order in the ELBO and at this noise the DP noise moves it a lot: over keys 0-13 the ratio ranged
+    # 0.33-1.99 (per coordinate, 42 values, with this noise and with jax.random.normal's), so a check
+    # within 50% passed for 4 keys in 14 by luck.
+    ratio = np.asarray(result.params["w_scale"]) / post_sd
+    assert np.all((ratio > 0.25) & (ratio < 4.0)), ratio
 
 
 def _hierarchical_fit(num_steps):

@@ -44,6 +44,7 @@ from d3pext.compile_cache import cached_jit, compile_traced
 from d3pext.training.clipping import CLIPPED_SUMS, choose_clipping
 from d3pext.training.dependence import dependent_outputs, jaxpr_dependence
 from d3pext.training.minibatch import FixedSizeSampler, PoissonSampler
+from d3pext.training.noise import noise_tail_delta, standard_normal
 from d3pext.training.parallel import check_data, check_mesh, data_parallel_clipped_sum
 from d3pext.prng import secure_key, threefry_key
 
@@ -70,7 +71,8 @@ class DPSVIState(NamedTuple):
 class PrivacyReport:
     """The privacy spent by a DP-VI run, as the accountant computed it.
 
-    ``delta`` includes any extra term of the sampler (e.g. the truncation of Poisson batches).
+    ``delta`` includes the extra terms that the accountant's analysis leaves out: the sampler's (e.g. the
+    truncation of Poisson batches) and the noise's finite range (:func:`~d3pext.training.noise.noise_tail_delta`).
     """
 
     epsilon: float
@@ -195,13 +197,14 @@ def _is_threefry(key: jax.Array) -> bool:
 
 def _standard_normals(key: jax.Array, like: list) -> list:
     """Independent standard normals shaped like each array of ``like``, from one draw per dtype (one
-    draw compiles one copy of the key's hash, however many parameter arrays there are)."""
+    draw compiles one copy of the key's hash, however many parameter arrays there are), with the full
+    tails of :func:`~d3pext.training.noise.standard_normal`."""
     out = [None] * len(like)
     for dtype in dict.fromkeys(jnp.dtype(x.dtype) for x in like):
         members = [i for i, x in enumerate(like) if jnp.dtype(x.dtype) == dtype]
         sizes = [int(np.prod(like[i].shape)) for i in members]
         group_key = key if members[0] == 0 else random.fold_in(key, members[0])
-        z = random.normal(group_key, (sum(sizes),), dtype)
+        z = standard_normal(group_key, (sum(sizes),), dtype)
         for i, start, size in zip(members, np.cumsum([0] + sizes[:-1]), sizes):
             out[i] = z[start:start + size].reshape(like[i].shape)
     return out
@@ -404,6 +407,7 @@ class DPSVI(SVI):
             self.static_kwargs.setdefault("num_obs_total", self.num_obs_total)
         self.structure: Optional[_Structure] = None
         self.sampler = None
+        self._noise_size = 0  # parameters noised per step: the noise's extra delta counts them
         self._steps = {}
         self._chunks = {}
         self._isolation_checks = {}
@@ -521,13 +525,20 @@ class DPSVI(SVI):
         if self.target_epsilon is None or self.dp_scale is not None:
             return
         delta = self._report_delta()
-        margin = self.sampler.extra_delta(self.target_epsilon, self.planned_steps)
+        margin = self._extra_delta(self.target_epsilon, self.planned_steps)
         if margin >= 0.1 * delta:
-            raise ValueError(f"the sampler's extra delta {margin:.3g} is not small against delta={delta:.3g}")
+            raise ValueError(
+                f"the extra delta of the sampler and the noise's range, {margin:.3g}, is not small against delta={delta:.3g}"
+            )
         result = accountants.approximate_sigma(
             self.target_epsilon, delta - margin, self.sampler.q, self.planned_steps, self.sampler.relation
         )
         self.dp_scale = float(result.sigma)
+
+    def _extra_delta(self, epsilon: float, num_steps: int) -> float:
+        """What the accountant's exact-Gaussian, exact-sampling analysis leaves out: the sampler's term
+        (e.g. truncated Poisson batches) and the noise's finite range (:func:`~d3pext.training.noise.noise_tail_delta`)."""
+        return self.sampler.extra_delta(epsilon, num_steps) + noise_tail_delta(epsilon, num_steps, self._noise_size)
 
     def privacy_spent(self, num_steps, delta: Optional[float] = None) -> PrivacyReport:
         """The (epsilon, delta) spent after ``num_steps`` steps (an int or a :class:`DPSVIState`)."""
@@ -572,7 +583,7 @@ class DPSVI(SVI):
         return self.privacy_spent(num_steps, delta).epsilon
 
     def _report(self, eps: float, delta: float, num_steps: int) -> PrivacyReport:
-        extra = self.sampler.extra_delta(eps, num_steps) if num_steps and math.isfinite(eps) else 0.0
+        extra = self._extra_delta(eps, num_steps) if num_steps and math.isfinite(eps) else 0.0
         return PrivacyReport(
             epsilon=eps,
             delta=delta + extra,
@@ -835,17 +846,18 @@ class DPSVI(SVI):
             state, init_key, model_trace, guide_trace = self._eager_init(rng_key, args, kwargs, init_params)
             structure = self._find_structure(model_trace, guide_trace, args)
         sampler = self._make_sampler(structure, args)
-        if (structure, sampler) != (self.structure, self.sampler):
+        unconstrained = self.optim.get_params(state.optim_state)
+        noise_size = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(unconstrained))
+        if (structure, sampler, noise_size) != (self.structure, self.sampler, self._noise_size):
             self._steps.clear()  # compiled steps hold the structure and the sampler (sigma is an argument)
             self._chunks.clear()
             self._isolation_checks.clear()
             self._independence_proofs.clear()
             self._global_programs.clear()
-            self.structure, self.sampler = structure, sampler
+            self.structure, self.sampler, self._noise_size = structure, sampler, noise_size
             if self.target_epsilon is not None:
                 self.dp_scale = None
         self._calibrate()
-        unconstrained = self.optim.get_params(state.optim_state)
         self._check_global_independence(unconstrained, init_key, args, kwargs)
         self._check_record_isolation(unconstrained, init_key, args, kwargs)
         # device_put, not jnp.zeros: an eager jnp call compiles a program in every new process
