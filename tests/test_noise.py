@@ -16,9 +16,10 @@ from d3pext.training.noise import TAIL_MASS, _from_words, noise_tail_delta, stan
 
 
 def _reference(words: np.ndarray) -> np.ndarray:
-    """The same map in float64 (exact arithmetic on the 95-bit integer, scipy's quantile)."""
+    """The same map in float64 (exact integer grids, scipy's quantile)."""
     w0, w1, w2 = (words[i].astype(np.float64) for i in range(3))
-    u = ((w0 % 2**31) * 2.0**64 + w1 * 2.0**32 + w2 + 0.5) * 2.0**-96
+    top = w0 % 2**31
+    u = np.where(top > 0, (top * 2.0**32 + w1 + 0.5) * 2.0**-64, (w1 * 2.0**32 + w2 + 0.5) * 2.0**-96)
     magnitude = -scipy.special.ndtri(u)
     return np.where(words[0] >> 31 == 1, magnitude, -magnitude)
 
@@ -41,7 +42,7 @@ def test_map_matches_the_float64_quantile_over_the_whole_range():
     words[0, :5000] &= np.uint32(0x80000001)
     words[1, :2000] = 0
     words[0, :2000] &= np.uint32(0x80000000)
-    z = np.asarray(_from_words(jnp.asarray(words), jnp.float32), np.float64)
+    z = np.asarray(_from_words(*jnp.asarray(words), jnp.float32), np.float64)
     ref = _reference(words)
     assert np.all(np.isfinite(z))
     np.testing.assert_allclose(z, ref, rtol=1e-6, atol=1e-7)
@@ -52,7 +53,7 @@ def test_extreme_words_reach_11_3_sigma_both_ways_and_zero_is_not_a_lump():
     words = np.array([[0x80000000, 0x00000000, 0x7FFFFFFF, 0xFFFFFFFF],
                       [0, 0, 0xFFFFFFFF, 0xFFFFFFFF],
                       [0, 0, 0xFFFFFFFF, 0xFFFFFFFF]], np.uint32)  # fmt: skip
-    z = np.asarray(_from_words(jnp.asarray(words), jnp.float32))
+    z = np.asarray(_from_words(*jnp.asarray(words), jnp.float32))
     assert z[0] == pytest.approx(11.3034, abs=1e-3) and z[1] == pytest.approx(-11.3034, abs=1e-3)
     assert abs(z[2]) < 1e-6 and abs(z[3]) < 1e-6  # u = 1/2: the median
     # the mass beyond the range is what TAIL_MASS says: twice the smallest u
@@ -76,10 +77,21 @@ def test_deep_tail_is_the_gaussian_tail():
     rng = np.random.default_rng(2)
     words = rng.integers(0, 2**32, size=(3, 50_000), dtype=np.uint64).astype(np.uint32)
     words[0] &= np.uint32(0x80000000)  # keep the sign, clear the top word's 31 bits
-    z = np.asarray(_from_words(jnp.asarray(words), jnp.float32), np.float64)
+    z = np.asarray(_from_words(*jnp.asarray(words), jnp.float32), np.float64)
     assert np.abs(z).min() > 6.1
     p = scipy.stats.norm.sf(np.abs(z)) * 2.0**32
     assert scipy.stats.kstest(p, "uniform").pvalue > 1e-3
+
+
+def test_threefry_words_are_both_outputs_of_each_hash():
+    """For a Threefry key the pair is what JAX draws with partitionable Threefry off: one hash per draw."""
+    from d3pext.training.noise import _word_pair
+
+    key = jax.random.key(5)
+    first, second = _word_pair(key, (3, 4))
+    with jax.threefry_partitionable(False):
+        expected = jax.random.bits(key, (24,), jnp.uint32)
+    np.testing.assert_array_equal(np.concatenate([np.ravel(first), np.ravel(second)]), expected)
 
 
 def test_any_key_jit_vmap_and_dtypes():
@@ -102,3 +114,28 @@ def test_noise_tail_delta():
         noise_tail_delta(float("nan"), 1, 1)
     with pytest.raises(ValueError, match="num_steps"):
         noise_tail_delta(1.0, -1, 1)
+
+
+def test_cpu_and_accelerator_forms_draw_the_same(monkeypatch):
+    """The CPU form reads the third words only when some draw needs them, the accelerator form always:
+    the same numbers either way, the rare draws included (words forced here where a key would need
+    about 2**31 draws to show one)."""
+    from d3pext._backend import forced_form
+    from d3pext.training import noise
+
+    def pair(rare):
+        def word_pair(key, shape):
+            w = jnp.arange(2 * shape[0], dtype=jnp.uint32) * np.uint32(2654435761) + np.uint32(12345)
+            if rare:
+                w = w.at[0].set(np.uint32(0x80000000)).at[3].set(np.uint32(0))
+            return w[: shape[0]], w[shape[0]:]
+        return word_pair
+
+    for rare in (True, False):
+        monkeypatch.setattr(noise, "_word_pair", pair(rare))
+        draws = {}
+        for form in ("cpu", "accelerator"):
+            with forced_form(form):
+                draws[form] = np.asarray(standard_normal(jax.random.key(0), (8,)))
+        np.testing.assert_array_equal(draws["cpu"], draws["accelerator"])
+        assert (np.abs(draws["cpu"][[0, 3]]).min() > 6.2) == rare

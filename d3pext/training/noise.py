@@ -9,10 +9,10 @@ about ``1.2e-7`` per coordinate of every step that holds the record, which the a
 exact Gaussian noise, does not count: ``T q d 1.2e-7`` over ``T`` steps at sampling rate ``q`` with
 ``d`` parameters, 7e-4 for 200 steps at ``q = 0.5`` with 62 parameters, against a delta of 1e-5.
 
-:func:`standard_normal` builds each draw from three words instead: a sign bit and a uniform
-``u = (r + 1/2) 2**-96`` in ``(0, 1/2]`` from the other 95 bits ``r`` (so ``u >= 2**-97``), mapped
-through the normal quantile ``-ndtri(u)``, which float32 evaluates to a relative error below ``4e-7`` down
-to ``u = 2**-97``. The draws reach ``|z| = 11.30``; the mass left beyond that is
+:func:`standard_normal` builds each draw from a sign bit and a uniform ``u`` in ``(0, 1/2]`` on a grid
+of ``2**-64`` that is refined to ``2**-96`` below ``2**-32`` (two 32-bit words per draw, a third for the
+draws that fall there), mapped through the normal quantile ``-ndtri(u)``, which float32 evaluates to
+a relative error below ``4e-7`` down to ``u = 2**-97``. The draws reach ``|z| = 11.30``; the mass left beyond that is
 ``2**-96`` per draw (:data:`TAIL_MASS`), and :func:`noise_tail_delta` bounds what it adds to delta.
 DPSVI adds that term to its privacy reports and calibrates sigma with it subtracted.
 
@@ -29,27 +29,32 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax, random
+from jax.extend.random import threefry_2x32
 
-__all__ = ["TAIL_MASS", "WORDS_PER_DRAW", "noise_tail_delta", "standard_normal"]
+from d3pext._backend import by_backend
 
-WORDS_PER_DRAW = 3
-"""32-bit words of the key's stream per draw: the sign bit and 95 bits of the uniform."""
+__all__ = ["TAIL_MASS", "noise_tail_delta", "standard_normal"]
 
 TAIL_MASS = 2.0**-96
 """The Gaussian's mass beyond the draws' range, ``P(|Z| > 11.30)``, per draw: ``2 * 2**-97``."""
 
 
-def _from_words(words: jax.Array, dtype) -> jax.Array:
-    """Standard normals from ``uint32[3, ...]`` words (word 0's top bit is the sign)."""
+def _from_words(first: jax.Array, second: jax.Array, third: jax.Array, dtype) -> jax.Array:
+    """Standard normals from three ``uint32`` words per draw: the first's top bit is the sign, its other
+    31 bits ``t``, the second ``m`` and the third ``l`` make the uniform ``u`` in ``(0, 1/2]``:
+    ``(t 2**32 + m + 1/2) 2**-64`` where ``t > 0``, ``(m 2**32 + l + 1/2) 2**-96`` where ``t = 0``
+    (probability ``2**-31``; the third word is read only there). Every cell of the 95-bit grid below
+    ``2**-32`` and of the 63-bit grid above has its exact mass; the smallest ``u``, ``2**-97``, is a
+    normal float32, so the quantile is finite and accurate."""
     compute = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-    top = lax.convert_element_type(words[0] & np.uint32(0x7FFFFFFF), compute)
-    middle = lax.convert_element_type(words[1], compute)
-    low = lax.convert_element_type(words[2], compute)
-    # u = (top 2**64 + middle 2**32 + low + 1/2) 2**-96 in (0, 1/2]: no draw is 0 and the smallest
-    # 2**-97 is a normal float32, so the quantile is finite and accurate
-    u = top * compute(2.0**-32) + middle * compute(2.0**-64) + (low + compute(0.5)) * compute(2.0**-96)
+    top_bits = first & np.uint32(0x7FFFFFFF)
+    top, middle, low = (lax.convert_element_type(w, compute) for w in (top_bits, second, third))
+    half = compute(0.5)
+    coarse = top * compute(2.0**-32) + (middle + half) * compute(2.0**-64)
+    fine = middle * compute(2.0**-64) + (low + half) * compute(2.0**-96)
+    u = jnp.where(top_bits == np.uint32(0), fine, coarse)
     magnitude = -jax.scipy.special.ndtri(u)
-    z = jnp.where(words[0] >> np.uint32(31) == np.uint32(1), magnitude, -magnitude)
+    z = jnp.where(first >> np.uint32(31) == np.uint32(1), magnitude, -magnitude)
     return z.astype(dtype)
 
 
@@ -57,9 +62,12 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
     """Standard normal draws of ``shape``, with tails to ``|z| = 11.3`` (see the module doc).
 
     A drop-in for ``jax.random.normal(rng_key, shape, dtype)`` where the draws are privacy noise:
-    any key (a Threefry key or :func:`d3pext.prng.secure_key`), under ``jit`` and ``vmap``. It reads
-    three words of the key's stream per draw where ``jax.random.normal`` reads one, so the two give
-    different numbers for the same key. Half-precision dtypes are drawn in float32 and rounded.
+    any key (a Threefry key or :func:`d3pext.prng.secure_key`), under ``jit`` and ``vmap``. Each draw
+    reads two words of the key's stream where ``jax.random.normal`` reads one, and a third in the
+    rare draw (``2**-31``) that needs it: on a CPU the third words are drawn only in a call that has
+    such a draw, on an accelerator always (the same numbers). For a Threefry key both words of each
+    hash are used, so it hashes once per draw like ``jax.random.normal``. The numbers differ from
+    ``jax.random.normal``'s for the same key. Half-precision dtypes are drawn in float32 and rounded.
 
     >>> import jax
     >>> z = standard_normal(jax.random.key(0), (100_000,))
@@ -70,8 +78,32 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"standard_normal draws floating-point numbers, got dtype {dtype}")
     shape = tuple(int(s) for s in shape)
-    words = random.bits(rng_key, (WORDS_PER_DRAW, *shape), jnp.uint32)
-    return _from_words(words, dtype)
+    main_key, tail_key = random.split(rng_key)
+    first, second = _word_pair(main_key, shape)
+
+    # On a CPU a branch skips the third words unless some draw needs them; on an accelerator each
+    # branch would wait for the host to read its predicate, so there they are always drawn.
+    def third_if_needed(first):
+        needed = jnp.any(first & np.uint32(0x7FFFFFFF) == np.uint32(0))
+        return lax.cond(needed, lambda: random.bits(tail_key, shape, jnp.uint32), lambda: jnp.zeros(shape, jnp.uint32))
+
+    third = by_backend(third_if_needed, lambda first: random.bits(tail_key, shape, jnp.uint32), first)
+    return _from_words(first, second, third, dtype)
+
+
+def _word_pair(rng_key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """Two independent ``uint32`` words per draw. For a Threefry key, the two output words of one hash
+    per draw (``jax.random.bits`` hashes once per word and keeps the XOR of the two): the words JAX
+    draws with ``jax_threefry_partitionable`` off. Other keys read two streams of split keys, each
+    contiguous (one stream cut in halves made XLA's CPU code gather across ChaCha20's blocks, 2x slower)."""
+    typed = jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
+    impl = str(random.key_impl(rng_key)) if typed else jax.config.jax_default_prng_impl
+    size = math.prod(shape)
+    if impl == "threefry2x32" and size > 0:
+        words = threefry_2x32(random.key_data(rng_key) if typed else rng_key, lax.iota(jnp.uint32, 2 * size))
+        return words[:size].reshape(shape), words[size:].reshape(shape)
+    first_key, second_key = random.split(rng_key)
+    return random.bits(first_key, shape, jnp.uint32), random.bits(second_key, shape, jnp.uint32)
 
 
 def noise_tail_delta(epsilon: float, num_steps: int, num_coordinates: int) -> float:
