@@ -109,10 +109,11 @@ def _word_pair(rng_key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, j
 def noise_tail_delta(epsilon: float, num_steps: int, num_coordinates: int) -> float:
     """What the noise's finite range adds to delta: ``(1 + e**epsilon) T d TAIL_MASS``.
 
-    Each draw differs from an exact Gaussian one only with probability :data:`TAIL_MASS`, so ``T``
-    steps of ``d`` noisy coordinates are within total variation ``T d TAIL_MASS`` of exact Gaussian
-    noise, and a run the accountant finds ``(eps, delta)``-DP is ``(eps, delta + (1 + e**eps) T d
-    TAIL_MASS)``-DP (as for the truncation of Poisson batches,
+    Up to the rounding of every draw to its grid (the floating-point caveat above), a draw differs
+    from an exact Gaussian one only where that one lies beyond the draws' range, with probability
+    :data:`TAIL_MASS`. So ``T`` steps of ``d`` noisy coordinates are within total variation ``T d
+    TAIL_MASS`` of exact Gaussian noise, and a run the accountant finds ``(eps, delta)``-DP is
+    ``(eps, delta + (1 + e**eps) T d TAIL_MASS)``-DP (as for the truncation of Poisson batches,
     :meth:`~d3pext.training.minibatch.PoissonSampler.extra_delta`).
 
     >>> noise_tail_delta(1.0, 10_000, 1_000_000) < 1e-15
