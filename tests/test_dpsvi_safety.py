@@ -277,6 +277,8 @@ def sized_model(size, subsample_size):
     ],
     ids=["subsample-0", "subsample-above-N", "plate-5-data-7"],
 )
+# NumPyro itself warns about a subsample larger than the plate before d3pext refuses it
+@pytest.mark.filterwarnings("ignore:subsample_size does not match len")
 def test_plate_sizes_are_checked_against_the_data(model, data, message):
     with pytest.raises(ValueError, match=message):
         dpsvi(model).init(jax.random.key(0), data)

@@ -134,6 +134,7 @@ def test_batch_mode_equals_plate_mode_on_the_same_batch(data):
     np.testing.assert_allclose(g_batch["w_auto_loc"], g_plate["w_auto_loc"], rtol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore:privacy spent is reported as epsilon=inf")  # sigma = 0.05: no privacy
 def test_large_epsilon_reaches_nonprivate_posterior(data):
     x, y = data
     guide = AutoDiagonalNormal(logistic)
