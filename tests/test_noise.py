@@ -139,3 +139,24 @@ def test_cpu_and_accelerator_forms_draw_the_same(monkeypatch):
                 draws[form] = np.asarray(standard_normal(jax.random.key(0), (8,)))
         np.testing.assert_array_equal(draws["cpu"], draws["accelerator"])
         assert (np.abs(draws["cpu"][[0, 3]]).min() > 6.2) == rare
+
+
+def test_dpsvi_draws_this_noise_and_counts_its_tail():
+    import numpyro
+    import numpyro.distributions as dist
+    from numpyro.infer import Trace_ELBO
+
+    from d3pext import DPSVI
+    from d3pext.training.svi import _standard_normals
+
+    key = jax.random.key(4)
+    np.testing.assert_array_equal(_standard_normals(key, [jnp.zeros((2, 3))])[0], standard_normal(key, (6,)).reshape(2, 3))
+
+    def model(x):
+        loc = numpyro.param("loc", jnp.zeros(3))
+        with numpyro.plate("data", x.shape[0], subsample_size=10):
+            numpyro.sample("x", dist.Normal(loc, 1.0).to_event(1), obs=numpyro.subsample(x, event_dim=1))
+
+    svi = DPSVI(model, lambda x: None, numpyro.optim.SGD(0.1), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
+    svi.init(jax.random.key(0), jnp.zeros((100, 3)))
+    assert svi._extra_delta(2.0, 500) == noise_tail_delta(2.0, 500, 3)  # 3 noised parameters, exact sampling
