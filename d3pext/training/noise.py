@@ -65,7 +65,7 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
     any key (a Threefry key or :func:`d3pext.prng.secure_key`), under ``jit`` and ``vmap``. Each draw
     reads two words of the key's stream where ``jax.random.normal`` reads one, and a third in the
     rare draw (``2**-31``) that needs it: on a CPU the third words are drawn only in a call that has
-    such a draw, on an accelerator always (the same numbers). For a Threefry key both words of each
+    such a draw, on an accelerator always (the same numbers, up to float rounding). For a Threefry key both words of each
     hash are used, so it hashes once per draw like ``jax.random.normal``. The numbers differ from
     ``jax.random.normal``'s for the same key. Half-precision dtypes are drawn in float32 and rounded.
 
@@ -81,14 +81,22 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
     main_key, tail_key = random.split(rng_key)
     first, second = _word_pair(main_key, shape)
 
-    # On a CPU a branch skips the third words unless some draw needs them; on an accelerator each
-    # branch would wait for the host to read its predicate, so there they are always drawn.
-    def third_if_needed(first):
-        needed = jnp.any(first & np.uint32(0x7FFFFFFF) == np.uint32(0))
-        return lax.cond(needed, lambda: random.bits(tail_key, shape, jnp.uint32), lambda: jnp.zeros(shape, jnp.uint32))
+    def third():
+        return random.bits(tail_key, shape, jnp.uint32)
 
-    third = by_backend(third_if_needed, lambda first: random.bits(tail_key, shape, jnp.uint32), first)
-    return _from_words(first, second, third, dtype)
+    def on_cpu(first, second):
+        needed = jnp.any(first & np.uint32(0x7FFFFFFF) == np.uint32(0))
+        return lax.cond(
+            needed,
+            lambda first, second: _from_words(first, second, third(), dtype),
+            lambda first, second: _from_words(first, second, jnp.zeros(shape, jnp.uint32), dtype),
+            first, second,
+        )
+
+    # On a CPU a branch skips the third words unless some draw needs them, and its result is one
+    # buffer (XLA's CPU fusion otherwise copies the quantile's polynomials into every consumer of the
+    # noise); on an accelerator each branch would wait for the host to read its predicate.
+    return by_backend(on_cpu, lambda first, second: _from_words(first, second, third(), dtype), first, second)
 
 
 def _word_pair(rng_key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
