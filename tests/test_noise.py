@@ -102,6 +102,10 @@ def test_any_key_jit_vmap_and_dtypes():
     batch = jax.vmap(lambda k: standard_normal(k, (3,)))(jax.random.split(jax.random.key(0), 6))
     assert batch.shape == (6, 3)
     assert standard_normal(jax.random.key(0), (7,), jnp.bfloat16).dtype == jnp.bfloat16
+    assert standard_normal(jax.random.key(0), (), jnp.float16).shape == ()
+    assert standard_normal(chacha_key(1), (0,)).shape == (0,)
+    if not jax.config.jax_enable_x64:  # float64 is float32 there, as for jax.random.normal
+        assert standard_normal(jax.random.key(0), (2,), jnp.float64).dtype == jnp.float32
     with pytest.raises(TypeError, match="floating-point"):
         standard_normal(jax.random.key(0), (2,), jnp.int32)
 

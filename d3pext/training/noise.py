@@ -77,6 +77,7 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"standard_normal draws floating-point numbers, got dtype {dtype}")
+    dtype = jax.dtypes.canonicalize_dtype(dtype)  # float64 is float32 unless jax_enable_x64 is on
     shape = tuple(int(s) for s in shape)
     main_key, tail_key = random.split(rng_key)
     first, second = _word_pair(main_key, shape)
