@@ -1,6 +1,7 @@
 """DPSVI under attack and misuse: data that would bypass clipping and noise, non-finite records,
 steps past the plan, Poisson-padded batches, d3p's call forms, and the errors bad inputs get."""
 
+import functools
 import warnings
 
 import jax
@@ -51,6 +52,39 @@ def test_data_reaching_a_global_site_is_refused_naming_it(statistic):
     the analysis follows dataflow, and a dataflow path exists."""
     with pytest.raises(ValueError, match="model site 'mu' outside the data plate 'data' can depend on the data"):
         dpsvi(with_prior_loc(statistic)).init(jax.random.key(0), X)
+
+
+def keyword_model(x, y=None):
+    # y's mean reaches the global prior: refused when y is positional, and it must be when it is a keyword
+    w = numpyro.sample("w", dist.Normal(jnp.mean(y), 3.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=B):
+        numpyro.sample("y", dist.Normal(w * numpyro.subsample(x, event_dim=0), 1.0), obs=numpyro.subsample(y, event_dim=0))
+
+
+def test_record_data_passed_by_keyword_is_refused():
+    """Keyword arrays are public to DPSVI (not subsampled, isolated or proven): a record array passed by
+    keyword would carry its mean into the unclipped prior above. It is refused at init, update and run."""
+    y = 2.0 * X
+    with pytest.raises(ValueError, match="model site 'w' outside the data plate"):
+        dpsvi(keyword_model).init(jax.random.key(0), X, y)
+    message = "keyword argument 'y' has 200 rows, as many as the data: DPSVI treats keyword arrays as public"
+    with pytest.raises(ValueError, match=message):
+        dpsvi(keyword_model).init(jax.random.key(0), X, y=y)
+    with pytest.raises(ValueError, match=message):
+        dpsvi(keyword_model).run(jax.random.key(0), 2, X, y=y, progress_bar=False)
+    svi = dpsvi(normal_model)
+    state = svi.init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match="keyword argument 'w' has 200 rows"):
+        svi.update(state, X, w=jnp.ones(N))
+    # a public array that has as many rows, bound to the model, is a constant of its program
+    def weighted(x, weights=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=B):
+            scale = numpyro.subsample(weights, event_dim=0)
+            numpyro.sample("x", dist.Normal(mu, 1.0 / scale), obs=numpyro.subsample(x, event_dim=0))
+
+    state = dpsvi(functools.partial(weighted, weights=jnp.ones(N))).init(jax.random.key(0), X)
+    assert int(state.num_steps) == 0
 
 
 def test_data_in_a_param_initial_value_is_refused():

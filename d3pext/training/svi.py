@@ -234,6 +234,26 @@ def _num_records(args) -> Optional[int]:
     return lengths.pop() if lengths else None
 
 
+def _check_keyword_arrays(args, kwargs: dict) -> None:
+    """Refuse a keyword array with as many rows as the positional data: it is almost surely record data,
+    and DPSVI treats keyword arrays as public. Only positional data is subsampled by its sampler, kept
+    apart record by record, and proven not to reach the unclipped global terms; a record array passed
+    by keyword would escape all three (a global prior reading ``jnp.mean(y)`` would leak, unclipped)."""
+    num_records = _num_records(args)
+    if num_records is None:
+        return
+    for name, value in kwargs.items():
+        if name != "mask" and isinstance(value, (jax.Array, np.ndarray)) and jnp.ndim(value) > 0:
+            if jnp.shape(value)[0] == num_records:
+                raise ValueError(
+                    f"keyword argument {name!r} has {num_records} rows, as many as the data: DPSVI treats keyword "
+                    "arrays as public (not clipped, and the global terms may use them), so record data must be "
+                    f"passed positionally, e.g. run(key, num_steps, x, {name}) for model(x, {name}=None). A public "
+                    f"array that only happens to have {num_records} rows can be bound to the model instead "
+                    f"(functools.partial(model, {name}=...))."
+                )
+
+
 def _accepts(fn: Callable, name: str) -> bool:
     """Whether ``fn`` takes a keyword argument ``name`` (by name or through ``**kwargs``)."""
     try:
@@ -827,6 +847,7 @@ class DPSVI(SVI):
         kwargs.pop("mask", None)  # d3p's Poisson-batch mask is DPSVI's, not the model's (see update)
         _num_records(args)
         self._check_placement(args, kwargs)
+        _check_keyword_arrays(args, kwargs)
         if rng_key is None:
             rng_key = secure_key()
         elif not is_prng_key(rng_key):
@@ -1137,6 +1158,7 @@ class DPSVI(SVI):
         self._check_ready()
         self._check_plan(svi_state, 1)
         self._check_placement(args, kwargs)
+        _check_keyword_arrays(args, kwargs)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
         return self._counted(svi_state, self._jitted_step(static, False)(svi_state, args, dyn, mask, self._settings()))
@@ -1151,6 +1173,7 @@ class DPSVI(SVI):
         self._check_ready()
         self._check_plan(svi_state, 1)
         self._check_placement(args, kwargs)
+        _check_keyword_arrays(args, kwargs)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
         return self._counted(svi_state, self._jitted_step(static, True)(svi_state, args, dyn, mask, self._settings()))
@@ -1194,6 +1217,7 @@ class DPSVI(SVI):
         else:
             self._check_ready()
             self._check_placement(args, kwargs)
+            _check_keyword_arrays(args, kwargs)
             state = self._on_mesh(init_state)
         done = int(state.num_steps)
         self._check_plan(state, num_steps)
