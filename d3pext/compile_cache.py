@@ -359,7 +359,7 @@ def compile_traced(traced):
     program before it can look one up: for the demo's private fit that is more time than reading the
     executable back. Here the key is a digest of the printed jaxpr (every equation, its parameters and
     nested programs), the values of its constants, the argument types and tree structures, and the
-    environment that turns a jaxpr into an executable: JAX, jaxlib and d3pext versions, the backend
+    environment that turns a jaxpr into an executable: the JAX, jaxlib and Python versions, the backend
     and its devices, ``XLA_FLAGS``, JAX's configuration and d3pext's CPU lowering of Threefry. A
     lowering rule registered by your own code is not part of the key: after changing one, delete the
     ``d3pext-programs`` folder of the cache directory.

@@ -846,8 +846,7 @@ class DPSVI(SVI):
         """Trace the model, find its data plate and sampling rate, calibrate sigma if a target was given."""
         kwargs.pop("mask", None)  # d3p's Poisson-batch mask is DPSVI's, not the model's (see update)
         _num_records(args)
-        self._check_placement(args, kwargs)
-        _check_keyword_arrays(args, kwargs)
+        self._check_inputs(args, kwargs)
         if rng_key is None:
             rng_key = secure_key()
         elif not is_prng_key(rng_key):
@@ -1101,9 +1100,11 @@ class DPSVI(SVI):
         if self.structure is None:
             raise RuntimeError("call DPSVI.init before update")
 
-    def _check_placement(self, args, kwargs) -> None:
-        """With a mesh, refuse data placed where the split step cannot take it (a clear error
-        instead of XLA's): on devices outside the mesh or split otherwise than by rows over its data axis."""
+    def _check_inputs(self, args, kwargs) -> None:
+        """Refuse record data passed by keyword (:func:`_check_keyword_arrays`) and, with a mesh, data
+        placed where the split step cannot take it (a clear error instead of XLA's): on devices outside
+        the mesh or split otherwise than by rows over its data axis."""
+        _check_keyword_arrays(args, kwargs)
         if self.mesh is not None:
             check_data(args, self.mesh, self.data_axis)
             check_data(kwargs, self.mesh, self.data_axis)
@@ -1157,8 +1158,7 @@ class DPSVI(SVI):
         """
         self._check_ready()
         self._check_plan(svi_state, 1)
-        self._check_placement(args, kwargs)
-        _check_keyword_arrays(args, kwargs)
+        self._check_inputs(args, kwargs)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
         return self._counted(svi_state, self._jitted_step(static, False)(svi_state, args, dyn, mask, self._settings()))
@@ -1172,8 +1172,7 @@ class DPSVI(SVI):
         """
         self._check_ready()
         self._check_plan(svi_state, 1)
-        self._check_placement(args, kwargs)
-        _check_keyword_arrays(args, kwargs)
+        self._check_inputs(args, kwargs)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
         return self._counted(svi_state, self._jitted_step(static, True)(svi_state, args, dyn, mask, self._settings()))
@@ -1216,8 +1215,7 @@ class DPSVI(SVI):
             state = self.init(rng_key, *args, init_params=init_params, **{k: v for k, v in kwargs.items() if k != "mask"})
         else:
             self._check_ready()
-            self._check_placement(args, kwargs)
-            _check_keyword_arrays(args, kwargs)
+            self._check_inputs(args, kwargs)
             state = self._on_mesh(init_state)
         done = int(state.num_steps)
         self._check_plan(state, num_steps)
