@@ -93,23 +93,20 @@ def _feistel(x: jax.Array, round_keys: jax.Array, num_bits: int, unroll: bool = 
     ``2**b`` values. ``F_i`` is Threefry-2x32 keyed by round key ``i``, on the input
     word and the round index.
     """
-    low_bits = num_bits // 2
-    high_mask = np.uint32((1 << (num_bits - low_bits)) - 1)
-    low_mask = np.uint32((1 << low_bits) - 1)
-    high = lax.shift_right_logical(x, np.uint32(low_bits))
-    low = x & low_mask
+    low_bits = np.uint32(num_bits // 2)
+    high_mask = np.uint32((1 << (num_bits - num_bits // 2)) - 1)
+    low_mask = np.uint32((1 << (num_bits // 2)) - 1)
 
-    def one_round(i: jax.Array, halves: tuple) -> tuple:
-        # Even rounds update the high part from the low one, odd rounds the low part from the high
-        # one. Selecting the operands keeps one copy of the (unrolled) hash in the loop body: the
-        # sampler compiles in a fraction of the time, for the same bits.
-        high, low = halves
+    def one_round(i: jax.Array, x: jax.Array) -> jax.Array:
+        # The two halves stay packed in one word and a round XORs F into one of them: the loop
+        # carries one array, and the (unrolled) hash has a single consumer, so XLA compiles one copy
+        # of it (with the halves carried apart, each half's update fused its own copy).
         even = i % 2 == 0
-        f = _threefry2x32(round_keys[i, 0], round_keys[i, 1], jnp.where(even, low, high), i.astype(jnp.uint32))[0]
-        return jnp.where(even, (high ^ f) & high_mask, high), jnp.where(even, low, (low ^ f) & low_mask)
+        half = jnp.where(even, x & low_mask, lax.shift_right_logical(x, low_bits))
+        f = _threefry2x32(round_keys[i, 0], round_keys[i, 1], half, i.astype(jnp.uint32))[0]
+        return x ^ jnp.where(even, lax.shift_left(f & high_mask, low_bits), f & low_mask)
 
-    high, low = lax.fori_loop(0, round_keys.shape[0], one_round, (high, low), unroll=unroll)
-    return lax.shift_left(high, np.uint32(low_bits)) | low
+    return lax.fori_loop(0, round_keys.shape[0], one_round, x, unroll=unroll)
 
 
 def _feistel_walk(

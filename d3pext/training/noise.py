@@ -39,20 +39,21 @@ TAIL_MASS = 2.0**-96
 """The Gaussian's mass beyond the draws' range, ``P(|Z| > 11.30)``, per draw: ``2 * 2**-97``."""
 
 
-def _from_words(first: jax.Array, second: jax.Array, third: jax.Array, dtype) -> jax.Array:
+def _from_words(first: jax.Array, second: jax.Array, third: jax.Array | None, dtype) -> jax.Array:
     """Standard normals from three ``uint32`` words per draw: the first's top bit is the sign, its other
     31 bits ``t``, the second ``m`` and the third ``l`` make the uniform ``u`` in ``(0, 1/2]``:
     ``(t 2**32 + m + 1/2) 2**-64`` where ``t > 0``, ``(m 2**32 + l + 1/2) 2**-96`` where ``t = 0``
     (probability ``2**-31``; the third word is read only there). Every cell of the 95-bit grid below
     ``2**-32`` and of the 63-bit grid above has its exact mass; the smallest ``u``, ``2**-97``, is a
-    normal float32, so the quantile is finite and accurate."""
+    normal float32, so the quantile is finite and accurate. ``third=None``: no draw has ``t = 0``."""
     compute = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
     top_bits = first & np.uint32(0x7FFFFFFF)
-    top, middle, low = (lax.convert_element_type(w, compute) for w in (top_bits, second, third))
+    top, middle = (lax.convert_element_type(w, compute) for w in (top_bits, second))
     half = compute(0.5)
-    coarse = top * compute(2.0**-32) + (middle + half) * compute(2.0**-64)
-    fine = middle * compute(2.0**-64) + (low + half) * compute(2.0**-96)
-    u = jnp.where(top_bits == np.uint32(0), fine, coarse)
+    u = top * compute(2.0**-32) + (middle + half) * compute(2.0**-64)
+    if third is not None:
+        fine = middle * compute(2.0**-64) + (lax.convert_element_type(third, compute) + half) * compute(2.0**-96)
+        u = jnp.where(top_bits == np.uint32(0), fine, u)
     magnitude = -jax.scipy.special.ndtri(u)
     z = jnp.where(first >> np.uint32(31) == np.uint32(1), magnitude, -magnitude)
     return z.astype(dtype)
@@ -90,7 +91,7 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
         return lax.cond(
             needed,
             lambda first, second: _from_words(first, second, third(), dtype),
-            lambda first, second: _from_words(first, second, jnp.zeros(shape, jnp.uint32), dtype),
+            lambda first, second: _from_words(first, second, None, dtype),
             first, second,
         )
 
