@@ -123,14 +123,13 @@ def materialized_clipped_sum(
     record_loss: Callable, per_record: Callable, params: Any, args: tuple, records: Any,
     mask: jax.Array, threshold: float, drop_nonfinite: bool, plate_mode: bool,
 ) -> tuple[Any, jax.Array, jax.Array]:
-    """Clipped sum from materialized per-record gradients (B copies of the parameter tree)."""
+    """Clipped sum from materialized per-record gradients (B copies of the parameter tree).
+
+    As in the other strategies, a record is non-finite when its loss or its gradient's norm is (a NaN
+    or infinite entry makes the norm so): one pass over the gradients for the norms serves both."""
     losses, grads = per_record(jax.value_and_grad(record_loss), params, records, args)
-    if drop_nonfinite:
-        finite = [jnp.all(jnp.isfinite(jnp.reshape(g, (g.shape[0], -1))), axis=1) for g in jax.tree.leaves(grads)]
-        mask = mask & jnp.all(jnp.stack(finite), axis=0) & jnp.isfinite(losses)
-    grads = _select(mask, grads)
-    weights = jnp.where(mask, threshold / jnp.maximum(tree_norms(grads), threshold), 0.0)
-    return jax.tree.map(lambda g: _weighted_sum(weights, g), grads), losses, mask
+    weights, mask = clip_weights(tree_norms(grads), losses, mask, threshold, drop_nonfinite)
+    return jax.tree.map(lambda g: _weighted_sum(weights, g), _select(mask, grads)), losses, mask
 
 
 def ghost_clipped_sum(
