@@ -167,10 +167,12 @@ def _feistel_rank_walk(
         i = start + lax.iota(jnp.uint32, chunk)
         y = _feistel(i, round_keys, num_bits, unroll)
         hit = (y < n) & (i < np.uint32(domain))
-        slot = count + jnp.cumsum(hit, dtype=jnp.int32) - 1
-        slot = jnp.where(hit, slot, batch_size)  # misses and overflow are dropped
-        out = out.at[slot].set(y.astype(jnp.int32), mode="drop")
-        return out, jnp.minimum(count + jnp.sum(hit, dtype=jnp.int32), batch_size), start + chunk
+        hits_so_far = jnp.cumsum(hit, dtype=jnp.int32)
+        slot = jnp.where(hit, count + hits_so_far - 1, batch_size)  # misses and overflow are dropped
+        # y < N < 2**31: its int32 bits are its value; the pass's hit count is the running count's last
+        # entry (a separate sum compiled a reduction of its own)
+        out = out.at[slot].set(lax.bitcast_convert_type(y, jnp.int32), mode="drop")
+        return out, jnp.minimum(count + hits_so_far[-1], batch_size), start + chunk
 
     def walk(out, count, start, first_pass_outside: bool):
         state = (out, count, start)
