@@ -32,6 +32,7 @@ from jax import lax, random
 from jax.extend.random import threefry_2x32
 
 from d3pext._backend import by_backend
+from d3pext._threefry_cpu import FLAT_MULTIPLE
 
 __all__ = ["TAIL_MASS", "noise_tail_delta", "standard_normal"]
 
@@ -80,11 +81,15 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
         raise TypeError(f"standard_normal draws floating-point numbers, got dtype {dtype}")
     dtype = jax.dtypes.canonicalize_dtype(dtype)  # float64 is float32 unless jax_enable_x64 is on
     shape = tuple(int(s) for s in shape)
+    size = math.prod(shape)
+    # Drawn flat over a multiple of the CPU hash's block: its words then need no slicing before
+    # the branch below takes them (each slice was a kernel of its own); the extra draws are dropped.
+    drawn = size if size < FLAT_MULTIPLE else -(-size // FLAT_MULTIPLE) * FLAT_MULTIPLE
     main_key, tail_key = random.split(rng_key)
-    first, second = _word_pair(main_key, shape)
+    first, second = _word_pair(main_key, (drawn,))
 
     def third():
-        return random.bits(tail_key, shape, jnp.uint32)
+        return random.bits(tail_key, (drawn,), jnp.uint32)
 
     def on_cpu(first, second):
         needed = jnp.any(first & np.uint32(0x7FFFFFFF) == np.uint32(0))
@@ -98,7 +103,8 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
     # On a CPU a branch skips the third words unless some draw needs them, and its result is one
     # buffer (XLA's CPU fusion otherwise copies the quantile's polynomials into every consumer of the
     # noise); on an accelerator each branch would wait for the host to read its predicate.
-    return by_backend(on_cpu, lambda first, second: _from_words(first, second, third(), dtype), first, second)
+    z = by_backend(on_cpu, lambda first, second: _from_words(first, second, third(), dtype), first, second)
+    return (z if drawn == size else z[:size]).reshape(shape)
 
 
 def _word_pair(rng_key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
