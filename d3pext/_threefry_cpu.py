@@ -31,7 +31,7 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 from jax.interpreters import mlir
 
-__all__ = ["FLAT_MAX_SIZE", "install", "installed", "threefry2x32_20", "threefry2x32_unrolled"]
+__all__ = ["FLAT_MAX_SIZE", "install", "installed", "random_bits_unrolled", "threefry2x32_20", "threefry2x32_unrolled"]
 
 OPT_OUT_ENV = "D3PEXT_KEEP_JAX_THREEFRY"
 
@@ -124,6 +124,29 @@ def threefry2x32_unrolled(
             x0 = x0 + ks[s % 3]
             x1 = x1 + ks[(s + 1) % 3] + np.uint32(s)
     return x0, x1
+
+
+def random_bits_unrolled(rng_key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``jax.random.bits(rng_key, shape, jnp.uint32)``, from the hash written out for a Threefry key.
+
+    For a small draw that has one consumer (a Feistel network's round keys, the noise's rare third
+    words): XLA fuses the rounds into that consumer's kernel, where the lowering's hash is a loop of
+    kernels of its own. The same bits (JAX's default partitionable counters: the flat index); other
+    keys, and Threefry keys with ``jax_threefry_partitionable`` off, draw with ``jax.random.bits``.
+
+    >>> key = jax.random.key(0)
+    >>> bool((random_bits_unrolled(key, (3, 2)) == jax.random.bits(key, (3, 2), np.uint32)).all())
+    True
+    """
+    typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
+    impl = str(jax.random.key_impl(rng_key)) if typed else jax.config.jax_default_prng_impl
+    size = math.prod(shape)
+    if impl != "threefry2x32" or not jax.config.jax_threefry_partitionable or size >= 2**32:
+        return jax.random.bits(rng_key, shape, np.uint32)
+    words = jax.random.key_data(rng_key) if typed else rng_key
+    counters = lax.iota(np.uint32, size)
+    bits1, bits2 = threefry2x32_unrolled(words[0], words[1], lax.full_like(counters, 0), counters)
+    return lax.reshape(lax.bitwise_xor(bits1, bits2), tuple(shape))
 
 
 def _sharded(aval) -> bool:

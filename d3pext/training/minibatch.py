@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from d3pext._backend import by_backend
+from d3pext._threefry_cpu import random_bits_unrolled
 from d3pext._threefry_cpu import threefry2x32_unrolled as _threefry2x32
 from d3pext.accountants import Relation
 
@@ -68,20 +69,9 @@ _FEISTEL_ROUNDS = 16
 
 
 def _round_keys(rng_key: jax.Array, num_rounds: int) -> jax.Array:
-    """``jax.random.bits(rng_key, (num_rounds, 2), jnp.uint32)``, the Feistel network's round keys.
-
-    For a Threefry key the same bits come from the hash written out (with JAX's default
-    partitionable counters): one fused kernel instead of the hash loop of the CPU lowering (a
-    DPSVI step has 7 kernels fewer to compile).
-    """
-    typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
-    impl = str(jax.random.key_impl(rng_key)) if typed else jax.config.jax_default_prng_impl
-    if impl == "threefry2x32" and jax.config.jax_threefry_partitionable:
-        words = jax.random.key_data(rng_key) if typed else rng_key
-        counters = lax.iota(jnp.uint32, 2 * num_rounds)
-        bits1, bits2 = _threefry2x32(words[0], words[1], jnp.zeros_like(counters), counters)
-        return (bits1 ^ bits2).reshape(num_rounds, 2)
-    return jax.random.bits(rng_key, (num_rounds, 2), jnp.uint32)
+    """``jax.random.bits(rng_key, (num_rounds, 2), jnp.uint32)``, the Feistel network's round keys:
+    for a Threefry key from the hash written out (one fused kernel instead of the hash loop)."""
+    return random_bits_unrolled(rng_key, (num_rounds, 2))
 
 
 def _feistel(x: jax.Array, round_keys: jax.Array, num_bits: int, unroll: bool = False) -> jax.Array:

@@ -32,7 +32,7 @@ from jax import lax, random
 from jax.extend.random import threefry_2x32
 
 from d3pext._backend import by_backend
-from d3pext._threefry_cpu import FLAT_MULTIPLE
+from d3pext._threefry_cpu import FLAT_MULTIPLE, random_bits_unrolled
 
 __all__ = ["TAIL_MASS", "noise_tail_delta", "standard_normal"]
 
@@ -88,8 +88,8 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
     main_key, tail_key = random.split(rng_key)
     first, second = _word_pair(main_key, (drawn,))
 
-    def third():
-        return random.bits(tail_key, (drawn,), jnp.uint32)
+    def third():  # one consumer (the transform): the written-out hash fuses into it
+        return random_bits_unrolled(tail_key, (drawn,))
 
     def on_cpu(first, second):
         needed = jnp.any(first & np.uint32(0x7FFFFFFF) == np.uint32(0))
