@@ -98,6 +98,16 @@ def test_feistel_is_a_bijection(num_bits):
     np.testing.assert_array_equal(np.sort(np.asarray(out)), np.arange(2**num_bits))
 
 
+@pytest.mark.parametrize("num_bits", [0, 1, 9, 21])
+def test_feistel_keeps_inputs_past_the_domain_past_it(num_bits):
+    # the rank walk's later passes may read inputs of 2**b and more and count only images below N
+    round_keys = jax.random.bits(jax.random.key(num_bits), (16, 2), jnp.uint32)
+    x = jnp.uint32(2**num_bits) + jnp.arange(4096, dtype=jnp.uint32)
+    out = np.asarray(_feistel(x, round_keys, num_bits))
+    assert (out >= 2**num_bits).all()
+    np.testing.assert_array_equal(out >> num_bits, np.asarray(x) >> num_bits)
+
+
 def test_threefry_matches_jax():
     from jax.extend.random import threefry2x32_p
 

@@ -81,7 +81,8 @@ def _feistel(x: jax.Array, round_keys: jax.Array, num_bits: int, unroll: bool = 
     of ``floor(b/2)`` bits; rounds alternate ``L ^= F_i(R)`` and ``R ^= F_i(L)``, each
     an involution, so any ``b`` (odd included) is a power-of-two domain of exactly
     ``2**b`` values. ``F_i`` is Threefry-2x32 keyed by round key ``i``, on the input
-    word and the round index.
+    word and the round index. Bits of ``x`` above the ``b`` low ones pass through unchanged, so an
+    input of ``2**b`` or more maps to one of ``2**b`` or more.
     """
     low_bits = np.uint32(num_bits // 2)
     high_mask = np.uint32((1 << (num_bits - num_bits // 2)) - 1)
@@ -147,7 +148,6 @@ def _feistel_rank_walk(
     pass (see :func:`_chunk_size`), 2.5-3x less work.
     """
     num_bits = (num_records - 1).bit_length()
-    domain = 1 << num_bits
     chunk = _chunk_size(num_records, batch_size, num_bits)
     round_keys = _round_keys(rng_key, num_rounds)
     n = np.uint32(num_records)
@@ -156,7 +156,7 @@ def _feistel_rank_walk(
         out, count, start = state
         i = start + lax.iota(jnp.uint32, chunk)
         y = _feistel(i, round_keys, num_bits, unroll)
-        hit = (y < n) & (i < np.uint32(domain))
+        hit = y < n  # an input past the domain keeps its bits above b, so its image is too (no hit)
         hits_so_far = jnp.cumsum(hit, dtype=jnp.int32)
         slot = jnp.where(hit, count + hits_so_far - 1, batch_size)  # misses and overflow are dropped
         # y < N < 2**31: its int32 bits are its value; the pass's hit count is the running count's last
