@@ -58,7 +58,8 @@ CHUNK_STEPS = 128
 class DPSVIState(NamedTuple):
     """State of :class:`DPSVI`: NumPyro's ``SVIState`` fields, the number of private steps taken,
     and the number of sampled records left out of a step because their loss or gradient was not
-    finite (like the losses, that count is computed on the data and is not private)."""
+    finite (a NaN or infinite entry, or a norm beyond float range; like the losses, that count is
+    computed on the data and is not private)."""
 
     optim_state: Any
     mutable_state: Any
