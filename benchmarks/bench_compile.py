@@ -1,6 +1,6 @@
 """Time to first result: compilation of DPSVI against NumPyro's SVI, first against repeated runs.
 
-    python benchmarks/bench_compile.py [--repeats 3] [--no-demo] [--paired N] [--json PATH]
+    python benchmarks/bench_compile.py [--repeats 3] [--no-demo] [--paired N] [--ir] [--json PATH]
 
 Every figure comes from a fresh Python process (nothing compiled in an earlier measurement is reused,
 the persistent compilation cache is off unless a row says otherwise), and the rows of one table are
@@ -21,7 +21,10 @@ over ``--repeats`` processes and as ratios:
 - ``--paired N``: instead, in one process, XLA's compilation alone of the two first-step programs
   (``jax.jit(svi.update)`` and DPSVI's step, each lowered once), alternately ``N`` times each: CPU
   seconds per compile and the paired ratio. Fresh processes differ by 10-20% on a shared machine;
-  back-to-back compiles in one process share its state, so small changes show.
+  back-to-back compiles in one process share its state, so small changes show;
+- ``--ir``: instead (or with ``--paired``), the kernels and bytes of optimized LLVM IR of the same two
+  programs, from XLA's dump: the same on every run, where compile times on a shared machine vary by
+  10-20%; LLVM's passes and code generation are about half of the step's compile.
 
 The model is the demo's: logistic regression with an intercept on the Breast Cancer data (455 records,
 31 weights), batch 200 (``d3pext.models.logistic_regression`` in plate mode).
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -144,6 +148,29 @@ def _paired(repeats: int) -> dict:
     return {"paired": times}
 
 
+def _ir_sizes() -> dict:
+    """Kernels and bytes of optimized LLVM IR of the two first-step programs (XLA's dump, one compile each):
+    deterministic, unlike compile times on a shared machine, and LLVM is about half of the compile."""
+    with tempfile.TemporaryDirectory() as dump:
+        env = {**os.environ, "D3PEXT_NO_COMPILE_CACHE": "1", "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()}
+        subprocess.run([sys.executable, "-c", PAIRED, "1"], env=env, capture_output=True, text=True, check=True)
+        modules: dict[str, list[int]] = {}
+        for name in os.listdir(dump):
+            found = re.match(r"module_(\d+)\.(jit_update|jit__step)\..*ir-with-opt\.ll$", name)
+            if found:
+                modules.setdefault(f"{found[2]} {found[1]}", []).append(os.path.getsize(os.path.join(dump, name)))
+    sizes = {}
+    for program, kind in (("jit_update", "svi"), ("jit__step", "dpsvi")):
+        files = max((v for k, v in modules.items() if k.startswith(program + " ")), key=sum)
+        sizes[kind] = {"kernels": len(files), "ir_bytes": sum(files)}
+    print("optimized LLVM IR of the first-step programs:")
+    for kind, label in (("svi", "SVI"), ("dpsvi", "DPSVI")):
+        print(f"  {label:5s} {sizes[kind]['kernels']:4d} kernels, {sizes[kind]['ir_bytes'] / 1e3:7.0f} kB")
+    print(f"  DPSVI/SVI {sizes['dpsvi']['ir_bytes'] / sizes['svi']['ir_bytes']:.2f}x")
+    return {"ir": sizes}
+
+
 def _child(kind: str) -> dict:
     env = {**os.environ, "D3PEXT_NO_COMPILE_CACHE": "1", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     out = subprocess.run([sys.executable, "-c", CHILD, kind], env=env, capture_output=True, text=True, check=True)
@@ -169,9 +196,13 @@ def main() -> None:
     parser.add_argument("--json", default=None, metavar="PATH", help="write all figures as JSON")
     parser.add_argument("--paired", type=int, default=0, metavar="N",
                         help="only the compile of the two first-step programs, N alternating times in one process")
+    parser.add_argument("--ir", action="store_true",
+                        help="only the size of the two first-step programs' optimized LLVM IR (deterministic)")
     args = parser.parse_args()
-    if args.paired:
-        figures = _paired(args.paired)
+    if args.paired or args.ir:
+        figures = _paired(args.paired) if args.paired else {}
+        if args.ir:
+            figures.update(_ir_sizes())
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(figures, fh, indent=1)
