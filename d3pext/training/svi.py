@@ -653,10 +653,13 @@ class DPSVI(SVI):
         return local, global_
 
     def _particle_keys(self, rng_key):
-        """One key per particle, split from ``rng_key`` (or already split: a 1-D array of keys)."""
+        """One key per particle, split from ``rng_key`` (or already split: a 1-D array of keys); a single
+        particle takes ``rng_key`` itself, which has no other use (a split would compile a hash loop)."""
         typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
         if jnp.ndim(rng_key) == (1 if typed else 2):  # raw keys carry their words in a last axis
             return rng_key
+        if self.loss.num_particles == 1:
+            return rng_key[None]
         return random.split(rng_key, self.loss.num_particles)
 
     def _record_loss(self, params, rng_key, args, kwargs, record, isolate: bool = True):
