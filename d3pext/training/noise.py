@@ -32,7 +32,7 @@ from jax import lax, random
 from jax.extend.random import threefry_2x32
 
 from d3pext._backend import by_backend
-from d3pext._threefry_cpu import FLAT_MULTIPLE, random_bits_unrolled
+from d3pext._threefry_cpu import FLAT_MULTIPLE, random_bits_unrolled, threefry2x32_unrolled
 
 __all__ = ["TAIL_MASS", "noise_tail_delta", "standard_normal"]
 
@@ -85,11 +85,21 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
     # Drawn flat over a multiple of the CPU hash's block: its words then need no slicing before
     # the branch below takes them (each slice was a kernel of its own); the extra draws are dropped.
     drawn = size if size < FLAT_MULTIPLE else -(-size // FLAT_MULTIPLE) * FLAT_MULTIPLE
-    main_key, tail_key = random.split(rng_key)
-    first, second = _word_pair(main_key, (drawn,))
+    if _is_threefry(rng_key) and 0 < drawn <= 2**30:
+        # the words hash the counter pairs (i, n + i), the third ones (2n + i, 3n + i): no key split
+        first, second = _word_pair(rng_key, (drawn,))
+        words = random.key_data(rng_key) if jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key) else rng_key
 
-    def third():  # one consumer (the transform): the written-out hash fuses into it
-        return random_bits_unrolled(tail_key, (drawn,))
+        def third():  # one consumer (the transform): the written-out hash fuses into it
+            counters = lax.iota(jnp.uint32, drawn)
+            return threefry2x32_unrolled(words[0], words[1], counters + np.uint32(2 * drawn), counters + np.uint32(3 * drawn))[0]
+
+    else:
+        main_key, tail_key = random.split(rng_key)
+        first, second = _word_pair(main_key, (drawn,))
+
+        def third():
+            return random_bits_unrolled(tail_key, (drawn,))
 
     def on_cpu(first, second):
         needed = jnp.any(first & np.uint32(0x7FFFFFFF) == np.uint32(0))
@@ -107,15 +117,19 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
     return (z if drawn == size else z[:size]).reshape(shape)
 
 
+def _is_threefry(rng_key: jax.Array) -> bool:
+    typed = jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
+    return (str(random.key_impl(rng_key)) if typed else jax.config.jax_default_prng_impl) == "threefry2x32"
+
+
 def _word_pair(rng_key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """Two independent ``uint32`` words per draw. For a Threefry key, the two output words of one hash
     per draw (``jax.random.bits`` hashes once per word and keeps the XOR of the two): the words JAX
     draws with ``jax_threefry_partitionable`` off. Other keys read two streams of split keys, each
     contiguous (one stream cut in halves made XLA's CPU code gather across ChaCha20's blocks, 2x slower)."""
-    typed = jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
-    impl = str(random.key_impl(rng_key)) if typed else jax.config.jax_default_prng_impl
     size = math.prod(shape)
-    if impl == "threefry2x32" and size > 0:
+    if _is_threefry(rng_key) and size > 0:
+        typed = jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
         words = threefry_2x32(random.key_data(rng_key) if typed else rng_key, lax.iota(jnp.uint32, 2 * size))
         return words[:size].reshape(shape), words[size:].reshape(shape)
     first_key, second_key = random.split(rng_key)
