@@ -83,6 +83,44 @@ def test_feistel_rank_walk_gpu_form_equals_cpu_form(num_records, batch_size):
     np.testing.assert_array_equal(walk("accelerator"), walk("cpu"))
 
 
+def test_dpsvi_step_gpu_form_equals_cpu_form():
+    """The plan check as selects (accelerator) or as a branch around the optimizer's update (CPU): the
+    same state after a step within the plan, and after one past it (nothing updated, nothing counted)."""
+    import numpyro
+    import numpyro.distributions as dist
+    from numpyro.infer import Trace_ELBO
+    from numpyro.infer.autoguide import AutoDiagonalNormal
+
+    from d3pext import DPSVI
+
+    def model(x, y):
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([3]).to_event(1))
+        with numpyro.plate("data", x.shape[0], subsample_size=20) as idx:
+            numpyro.sample("y", dist.Bernoulli(logits=x[idx] @ w), obs=y[idx])
+
+    x = random.normal(random.key(0), (100, 3))
+    y = (x[:, 0] > 0).astype(jnp.float32)
+    states = {}
+    for form in ("cpu", "accelerator"):
+        with forced_form(form):
+            svi = DPSVI(model, AutoDiagonalNormal(model), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1.0,
+                        epsilon=1.0, num_steps=1)
+            state = svi.init(random.key(1), x, y)
+            within, _ = jax.jit(svi._jitted_step((), False))(state, (x, y), {}, None, svi._settings())
+            past, _ = jax.jit(svi._jitted_step((), False))(within, (x, y), {}, None, svi._settings())
+        states[form] = (within, past)
+    for form_state in states.values():
+        within, past = form_state
+        assert int(within.num_steps) == 1 and int(past.num_steps) == 1
+        for new, old in zip(jax.tree.leaves(past.optim_state), jax.tree.leaves(within.optim_state)):
+            np.testing.assert_array_equal(new, old)
+    for cpu, accelerator in zip(states["cpu"], states["accelerator"]):
+        np.testing.assert_array_equal(random.key_data(cpu.rng_key), random.key_data(accelerator.rng_key))
+        assert int(cpu.num_dropped) == int(accelerator.num_dropped)
+        for a, b in zip(jax.tree.leaves(cpu.optim_state), jax.tree.leaves(accelerator.optim_state)):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_where_the_cpu_is_the_only_backend_only_its_form_is_traced():
     # lax.platform_dependent traces every form; a program of a CPU-only process can only run on the
     # CPU, so the accelerator form is not traced there (a fifth of a Gibbs sampler's tracing)
