@@ -619,25 +619,29 @@ class DPSVI(SVI):
 
     # ------------------------------------------------------------------ the loss split
 
-    def _run_traces(self, params, rng_key, args, kwargs, record_key, indices):
+    def _run_traces(self, params, rng_key, args, kwargs, position, indices):
+        """Traces of the model and guide run on the record at batch ``position`` (0 for the global terms)."""
         params = self.constrain_fn(params)
         kwargs = {**kwargs, **self.static_kwargs}
         name = self.structure.plate_name
-        model_key, guide_key = random.split(rng_key)
+        # The records' keys come from a key of their own: JAX's fold_in(k, i) is split(k)[i], so records
+        # keyed fold_in(rng_key, position) would have drawn with the model's and the guide's keys.
+        model_key, guide_key, records_key = random.split(rng_key, 3)
+        record_key = random.fold_in(records_key, position)
         guide = seed(_RecordScope(substitute(self.guide, params), name, record_key, indices), guide_key)
         guide_trace = trace(guide).get_trace(*args, **kwargs)
         model = seed(_RecordScope(substitute(replay(self.model, guide_trace), params), name, record_key, indices), model_key)
         model_trace = trace(model).get_trace(*args, **kwargs)
         return model_trace, guide_trace
 
-    def _elbo_terms(self, params, rng_key, args, kwargs, record_key, indices):
+    def _elbo_terms(self, params, rng_key, args, kwargs, position, indices):
         """(record term, global terms by site) of one particle's negative ELBO, from a run on a
         single record.
 
         The record term is unscaled: the data plate's N / 1 scale is divided out. The global terms
         are keyed ``"model site 'w'"`` / ``"guide site 'w'"``.
         """
-        model_trace, guide_trace = self._run_traces(params, rng_key, args, kwargs, record_key, indices)
+        model_trace, guide_trace = self._run_traces(params, rng_key, args, kwargs, position, indices)
         name = self.structure.plate_name
         plate_site = model_trace[name]
         plate_scale = plate_site["args"][0] / plate_site["args"][1]
@@ -677,7 +681,7 @@ class DPSVI(SVI):
             indices, rec_args = jnp.zeros((1,), jnp.int32), jax.tree.map(lambda a: a[None], args)
 
         def one(key):
-            return self._elbo_terms(params, key, rec_args, kwargs, random.fold_in(key, position), indices)[0]
+            return self._elbo_terms(params, key, rec_args, kwargs, position, indices)[0]
 
         return jnp.mean(jax.vmap(one)(self._particle_keys(rng_key)))
 
@@ -690,7 +694,7 @@ class DPSVI(SVI):
             indices, rec_args = jnp.zeros((1,), jnp.int32), jax.tree.map(lambda a: a[record_index][None], args)
 
         def one(key):
-            return self._elbo_terms(params, key, rec_args, kwargs, random.fold_in(key, 0), indices)[1]
+            return self._elbo_terms(params, key, rec_args, kwargs, 0, indices)[1]
 
         return jax.tree.map(jnp.mean, jax.vmap(one)(self._particle_keys(rng_key)))
 
