@@ -31,7 +31,10 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 from jax.interpreters import mlir
 
-__all__ = ["FLAT_MAX_SIZE", "install", "installed", "random_bits_unrolled", "threefry2x32_20", "threefry2x32_unrolled"]
+__all__ = [
+    "FLAT_MAX_SIZE", "install", "installed", "is_threefry_key", "key_words", "random_bits_unrolled", "threefry2x32_20",
+    "threefry2x32_unrolled",
+]
 
 OPT_OUT_ENV = "D3PEXT_KEEP_JAX_THREEFRY"
 
@@ -126,6 +129,22 @@ def threefry2x32_unrolled(
     return x0, x1
 
 
+def is_threefry_key(rng_key: jax.Array) -> bool:
+    """Whether ``rng_key`` is a Threefry-2x32 key: a typed key of that implementation, or a raw ``uint32``
+    key under JAX's default implementation.
+
+    >>> is_threefry_key(jax.random.key(0)), is_threefry_key(jax.random.PRNGKey(0))
+    (True, True)
+    """
+    typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
+    return (str(jax.random.key_impl(rng_key)) if typed else jax.config.jax_default_prng_impl) == "threefry2x32"
+
+
+def key_words(rng_key: jax.Array) -> jax.Array:
+    """The ``uint32`` words of a typed or raw key."""
+    return jax.random.key_data(rng_key) if jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key) else rng_key
+
+
 def random_bits_unrolled(rng_key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``jax.random.bits(rng_key, shape, jnp.uint32)``, from the hash written out for a Threefry key.
 
@@ -138,12 +157,10 @@ def random_bits_unrolled(rng_key: jax.Array, shape: tuple[int, ...]) -> jax.Arra
     >>> bool((random_bits_unrolled(key, (3, 2)) == jax.random.bits(key, (3, 2), np.uint32)).all())
     True
     """
-    typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
-    impl = str(jax.random.key_impl(rng_key)) if typed else jax.config.jax_default_prng_impl
     size = math.prod(shape)
-    if impl != "threefry2x32" or not jax.config.jax_threefry_partitionable or size >= 2**32:
+    if not is_threefry_key(rng_key) or not jax.config.jax_threefry_partitionable or size >= 2**32:
         return jax.random.bits(rng_key, shape, np.uint32)
-    words = jax.random.key_data(rng_key) if typed else rng_key
+    words = key_words(rng_key)
     counters = lax.iota(np.uint32, size)
     bits1, bits2 = threefry2x32_unrolled(words[0], words[1], lax.full_like(counters, 0), counters)
     return lax.reshape(lax.bitwise_xor(bits1, bits2), tuple(shape))

@@ -32,7 +32,9 @@ from jax import lax, random
 from jax.extend.random import threefry_2x32
 
 from d3pext._backend import by_backend
-from d3pext._threefry_cpu import FLAT_MULTIPLE, random_bits_unrolled, threefry2x32_unrolled
+from d3pext._threefry_cpu import (
+    FLAT_MULTIPLE, is_threefry_key, key_words, random_bits_unrolled, threefry2x32_unrolled,
+)
 
 __all__ = ["TAIL_MASS", "noise_tail_delta", "standard_normal"]
 
@@ -85,10 +87,10 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
     # Drawn flat over a multiple of the CPU hash's block: its words then need no slicing before
     # the branch below takes them (each slice was a kernel of its own); the extra draws are dropped.
     drawn = size if size < FLAT_MULTIPLE else -(-size // FLAT_MULTIPLE) * FLAT_MULTIPLE
-    if _is_threefry(rng_key) and 0 < drawn <= 2**30:
+    if is_threefry_key(rng_key) and 0 < drawn <= 2**30:
         # the words hash the counter pairs (i, n + i), the third ones (2n + i, 3n + i): no key split
         first, second = _word_pair(rng_key, (drawn,))
-        words = random.key_data(rng_key) if jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key) else rng_key
+        words = key_words(rng_key)
 
         def third():  # one consumer (the transform): the written-out hash fuses into it
             counters = lax.iota(jnp.uint32, drawn)
@@ -117,20 +119,14 @@ def standard_normal(rng_key: jax.Array, shape: tuple[int, ...] = (), dtype=jnp.f
     return (z if drawn == size else z[:size]).reshape(shape)
 
 
-def _is_threefry(rng_key: jax.Array) -> bool:
-    typed = jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
-    return (str(random.key_impl(rng_key)) if typed else jax.config.jax_default_prng_impl) == "threefry2x32"
-
-
 def _word_pair(rng_key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """Two independent ``uint32`` words per draw. For a Threefry key, the two output words of one hash
     per draw (``jax.random.bits`` hashes once per word and keeps the XOR of the two): the words JAX
     draws with ``jax_threefry_partitionable`` off. Other keys read two streams of split keys, each
     contiguous (one stream cut in halves made XLA's CPU code gather across ChaCha20's blocks, 2x slower)."""
     size = math.prod(shape)
-    if _is_threefry(rng_key) and size > 0:
-        typed = jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
-        words = threefry_2x32(random.key_data(rng_key) if typed else rng_key, lax.iota(jnp.uint32, 2 * size))
+    if is_threefry_key(rng_key) and size > 0:
+        words = threefry_2x32(key_words(rng_key), lax.iota(jnp.uint32, 2 * size))
         return words[:size].reshape(shape), words[size:].reshape(shape)
     first_key, second_key = random.split(rng_key)
     return random.bits(first_key, shape, jnp.uint32), random.bits(second_key, shape, jnp.uint32)

@@ -40,6 +40,7 @@ from numpyro.util import is_prng_key
 
 from d3pext import accountants
 from d3pext._backend import by_backend
+from d3pext._threefry_cpu import is_threefry_key
 from d3pext.accountants import Relation
 from d3pext.compile_cache import cached_jit, compile_traced
 from d3pext.training.clipping import CLIPPED_SUMS, choose_clipping
@@ -191,10 +192,6 @@ def _site_log_prob(site) -> jnp.ndarray:
     if site["scale"] is not None:
         log_prob = site["scale"] * log_prob
     return jnp.sum(log_prob)
-
-
-def _is_threefry(key: jax.Array) -> bool:
-    return str(jax.random.key_impl(key)) == "threefry2x32"
 
 
 def _standard_normals(key: jax.Array, like: list) -> list:
@@ -716,7 +713,7 @@ class DPSVI(SVI):
     def _elbo_keys(self, rng_key):
         """The keys of the ELBO's variational samples, as a step makes them from one of its keys: Threefry,
         one per particle."""
-        if not _is_threefry(rng_key):
+        if not is_threefry_key(rng_key):
             rng_key = threefry_key(rng_key)
         return self._particle_keys(rng_key)
 
