@@ -223,6 +223,38 @@ def test_local_latents_get_independent_noise_per_record():
     assert len(np.unique(np.round(np.asarray(grads["a"]), 6))) == 8
 
 
+
+
+def test_model_only_local_latents_draw_independently_of_the_guide():
+    """A local latent of the model alone (drawn from its prior in the model) and the guide's local latent
+    of the same record come from different keys: they once shared the record's first key, and were equal."""
+
+    def model(y):
+        with numpyro.plate("data", y.shape[0], subsample_size=8):
+            yb = numpyro.subsample(y, event_dim=0)
+            u = numpyro.sample("u", dist.Normal(0, 1))
+            z = numpyro.sample("z", dist.Normal(0, 1))
+            numpyro.sample("y", dist.Normal(u + z, 1), obs=yb)
+
+    def guide(y):
+        loc = numpyro.param("loc", 0.0)
+        with numpyro.plate("data", y.shape[0], subsample_size=8):
+            numpyro.sample("z", dist.Normal(loc, 1))
+
+    y = jnp.zeros(400)
+    svi = DPSVI(model, guide, numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
+    state = svi.init(jax.random.key(0), y)
+    params = svi.optim.get_params(state.optim_state)
+
+    def draws(position):
+        model_trace, guide_trace = svi._run_traces(params, jax.random.key(1), (y,), {}, position, position[None])
+        return model_trace["u"]["value"][0], guide_trace["z"]["value"][0]
+
+    u, z = (np.asarray(a) for a in jax.vmap(draws)(jnp.arange(400)))
+    assert not np.any(u == z)
+    # 400 records: |r| < 0.15 is within 3 standard errors of independence (seeded, deterministic)
+    assert abs(np.corrcoef(u, z)[0, 1]) < 0.15
+    assert len(np.unique(u)) == len(np.unique(z)) == 400
 @pytest.mark.parametrize(
     "kwargs, match",
     [

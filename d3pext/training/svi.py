@@ -122,12 +122,16 @@ class _RecordScope(Messenger):
     plate a key of its own record. Global sites keep the keys of the enclosing ``seed``, so every record of a
     batch sees the same variational sample of the global latent variables, while local latent variables
     (e.g. a VAE's ``z``) get independent noise per record. Must be applied inside ``seed``.
+
+    The model and the guide of one record share ``rng_key`` and take its even (``stream=0``) and odd
+    (``stream=1``) folds: a latent site of the model alone then draws independently of the guide's.
     """
 
-    def __init__(self, fn, plate_name: str, rng_key, indices):
+    def __init__(self, fn, plate_name: str, rng_key, indices, stream: int):
         self.plate_name = plate_name
         self.rng_key = rng_key
         self.indices = indices
+        self.stream = stream
         self._count = 0
         super().__init__(fn)
 
@@ -141,7 +145,7 @@ class _RecordScope(Messenger):
             and msg["kwargs"].get("rng_key") is None
             and any(f.name == self.plate_name for f in msg["cond_indep_stack"])
         ):
-            msg["kwargs"]["rng_key"] = random.fold_in(self.rng_key, self._count)
+            msg["kwargs"]["rng_key"] = random.fold_in(self.rng_key, 2 * self._count + self.stream)
             self._count += 1
 
 
@@ -625,9 +629,11 @@ class DPSVI(SVI):
         # keyed fold_in(rng_key, position) would have drawn with the model's and the guide's keys.
         model_key, guide_key, records_key = random.split(rng_key, 3)
         record_key = random.fold_in(records_key, position)
-        guide = seed(_RecordScope(substitute(self.guide, params), name, record_key, indices), guide_key)
+        guide = seed(_RecordScope(substitute(self.guide, params), name, record_key, indices, 0), guide_key)
         guide_trace = trace(guide).get_trace(*args, **kwargs)
-        model = seed(_RecordScope(substitute(replay(self.model, guide_trace), params), name, record_key, indices), model_key)
+        model = seed(
+            _RecordScope(substitute(replay(self.model, guide_trace), params), name, record_key, indices, 1), model_key
+        )
         model_trace = trace(model).get_trace(*args, **kwargs)
         return model_trace, guide_trace
 
