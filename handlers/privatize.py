@@ -61,14 +61,17 @@ class privatize(Messenger):
     :param fn: the model.
     :param str site: the confidential sample site (records in a plate).
     :param mechanism: a mechanism of :mod:`d3pext.releases.mechanisms`; when its sensitivity is ``None``
-        it is derived from the family of the records and the bounds.
+        it is derived from the family of the records and the bounds, for the mechanism's
+        ``neighbouring`` relation (under ``"add_remove"`` only for ``"sufficient"``: the other
+        statistics' sensitivities involve ``n``, which is then private).
     :param statistic: ``"sufficient"`` (sum of the sufficient statistics ``t(x_i)``),
         ``"mean"`` (that sum over ``n``), ``"records"`` (each ``t(x_i)``: local privacy),
         ``"sample_mean"`` / ``"sample_variance"`` (of scalar records clipped into ``bounds``,
         which are required; variance with denominator ``n - 1``; sensitivities ``(b - a) / n``
         and ``(b - a)^2 / n``) or a callable of the site value (then the mechanism needs an
         explicit sensitivity).
-    :param bounds: ``(a, b)``, needed when ``t(x)`` is unbounded.
+    :param bounds: ``(a, b)`` on scalar records, needed when ``t(x)`` is unbounded (not with a
+        callable statistic, which sees the records unclipped).
     :param bounds_method: ``"truncate"`` (drop records outside ``[a, b]``; sensitivity bound of
         Bernstein & Sheldon section 3.3) or ``"clamp"`` (clip records into ``[a, b]``).
     :param name: name of the release site.
@@ -115,6 +118,23 @@ class privatize(Messenger):
             raise ValueError(
                 "A custom statistic needs an explicit sensitivity: pass "
                 "mechanism.with_sensitivity(value)."
+            )
+        if callable(statistic) and bounds is not None:
+            raise ValueError(
+                "bounds are not applied to a custom statistic (it receives the records as they are): "
+                "clip the records inside the statistic and give its sensitivity, without bounds."
+            )
+        if (
+            getattr(mechanism, "neighbouring", "substitute") == "add_remove"
+            and mechanism.sensitivity is None
+            and statistic in ("mean", "records", *_BOUNDED_KINDS)
+        ):
+            raise ValueError(
+                f"statistic={statistic!r} has no sensitivity to derive under add/remove neighbours: "
+                + ("a local release protects the value of each record (use neighbouring='substitute')."
+                   if statistic == "records" else
+                   "its noise would be scaled by the number of records n, which then is private. Use "
+                   "neighbouring='substitute', release the sum, or give an explicit sensitivity.")
             )
         if bounds is not None:
             if len(bounds) != 2:
@@ -172,6 +192,12 @@ class privatize(Messenger):
     def _statistic(self, msg: dict) -> tuple[jax.Array, float | None, int, tuple[int, ...]]:
         value = msg["value"]
         if self.statistic in _BOUNDED_KINDS:
+            event_shape = tuple(getattr(msg["fn"], "event_shape", ()))
+            if event_shape:
+                raise ValueError(
+                    f"privatize({self.site!r}): statistic={self.statistic!r} is for scalar records, but the "
+                    f"records have event shape {event_shape}. Nothing was released."
+                )
             return self._bounded_statistic(value)
         if callable(self.statistic):
             stat = jnp.asarray(self.statistic(value))
@@ -185,6 +211,11 @@ class privatize(Messenger):
                     f"Confidential data at site {self.site!r} lie outside the support of "
                     f"{type(record).__name__} ({int((~in_support).sum())} records)."
                 )
+        if self.bounds is not None and not family.univariate:
+            raise ValueError(
+                f"privatize({self.site!r}): bounds apply to scalar records; the {family.name} family's "
+                f"statistic (shape {family.stat_shape}) is bounded already: omit bounds."
+            )
         x = value
         bounds = None
         if self.bounds is not None:
@@ -195,11 +226,13 @@ class privatize(Messenger):
         t = family.truncated_statistic(x, bounds)
         batch_ndim = t.ndim - len(family.stat_shape)
         n = int(np.prod(t.shape[:batch_ndim]))
+        neighbouring = getattr(self.mechanism, "neighbouring", "substitute")
         if self.bounds is not None and self.bounds_method == "clamp":
             a, b = self.bounds
-            sensitivity = float((b - a) * (1 if family.univariate else 2))
+            # a clipped record lies in [a, b]: replacing one moves the sum by b - a, adding one by |x|
+            sensitivity = float(b - a) if neighbouring == "substitute" else float(max(abs(a), abs(b)))
         else:
-            sensitivity = family.sensitivity(bounds)
+            sensitivity = family.sensitivity(bounds, neighbouring)
         if self.statistic == "records":
             return t, sensitivity, n, family.stat_shape
         stat = jnp.sum(t, axis=tuple(range(batch_ndim)))

@@ -83,13 +83,27 @@ class ExpFamily:
         a, b = bounds
         return jnp.where((x >= a) & (x <= b), t, jnp.zeros_like(t))
 
-    def sensitivity(self, bounds: tuple[float, float] | None) -> float:
-        """L1 sensitivity of ``sum_i 1_[a,b](x_i) t(x_i)`` under replacement of one record.
+    def sensitivity(self, bounds: tuple[float, float] | None, neighbouring: str = "substitute") -> float:
+        """L1 sensitivity of ``sum_i 1_[a,b](x_i) t(x_i)`` between neighbouring data sets.
 
-        Without bounds it is ``sum_j (max t_j - min t_j)`` (bounded statistics); with bounds it is
-        the bound of Bernstein & Sheldon section 3.3, ``max(max |t(x)|, max |t(x) - t(y)|)`` over
-        ``[a, b]`` (univariate families, where ``t(x) = x`` here).
+        ``neighbouring="substitute"`` (replace one record): without bounds ``sum_j (max t_j - min t_j)``
+        (bounded statistics; for the categorical and multinomial families, whose ``t(x)`` sums to the
+        number of trials, one record moves that mass between components: twice the range); with
+        bounds the bound of Bernstein & Sheldon section 3.3, ``max(max |t(x)|, max |t(x) - t(y)|)``
+        over ``[a, b]`` (univariate families, where ``t(x) = x`` here). ``"add_remove"`` (add or
+        remove one record): the largest ``||t(x)||_1``, ``max(|min t|, |max t|)`` or ``max(|a|, |b|)``.
+        Bounds are for univariate families only: the multivariate statistics are bounded already.
+
+        >>> import numpyro.distributions as dist
+        >>> fam = family_of(dist.Poisson(3.0))
+        >>> fam.sensitivity((0.0, 10.0)), fam.sensitivity((0.0, 10.0), "add_remove")
+        (10.0, 10.0)
+        >>> fam = family_of(dist.Bernoulli(probs=0.3))
+        >>> fam.sensitivity(None), fam.sensitivity(None, "add_remove")
+        (1.0, 1.0)
         """
+        if neighbouring not in ("substitute", "add_remove"):
+            raise ValueError(f"neighbouring must be 'substitute' or 'add_remove', got {neighbouring!r}.")
         lo, hi = self.stat_range
         if bounds is None:
             if not (math.isfinite(lo) and math.isfinite(hi)):
@@ -98,11 +112,20 @@ class ExpFamily:
                     f"(range [{lo}, {hi}]): declare truncation bounds=(a, b) or give an "
                     "explicit sensitivity."
                 )
+            if neighbouring == "add_remove":
+                return float(max(abs(lo), abs(hi)))
             if self.stat_shape == ():
                 return float(hi - lo)
             # one record moves one unit of mass between two components (replacement)
             return float(2 * (hi - lo))
+        if not self.univariate:
+            raise ValueError(
+                f"Bounds apply to scalar records; the {self.name} family's statistic (shape "
+                f"{self.stat_shape}) is bounded already: omit bounds."
+            )
         a, b = bounds
+        if neighbouring == "add_remove":
+            return float(max(abs(a), abs(b)))
         return float(max(abs(a), abs(b), b - a))
 
 

@@ -9,6 +9,7 @@ Each confidential count is released through a two-sided geometric mechanism
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 import math
 from typing import Any, ClassVar, Optional
 
@@ -21,6 +22,8 @@ from jax.typing import ArrayLike
 import numpyro.distributions as dist
 
 from d3pext.distributions import TwoSidedGeometric
+from d3pext.dtypes import int_dtype
+from d3pext.releases.exact import KeyBits, discrete_laplace
 from d3pext.releases.mechanisms import GeometricMechanism, Mechanism
 
 __all__ = ["HeterogeneousGeometricMechanism", "check_counts", "limited_precision_mechanism"]
@@ -56,7 +59,10 @@ class HeterogeneousGeometricMechanism(Mechanism):
     ``alpha`` broadcast against the released counts (``alpha[:, None]`` for one per row).
 
     Record ``i`` is ``(N, N ln(1/alpha_i))``-private; :attr:`epsilon` (what the ledger records)
-    is the guarantee that holds for every record, ``N ln(1 / min(alpha))``.
+    is the guarantee that holds for every record, ``N ln(1 / min(alpha))``. Float-safe like
+    :class:`~d3pext.releases.mechanisms.GeometricMechanism`: :meth:`release` draws exact
+    discrete Laplace noise, ``P(k) ~ exp(-|k| ln(1/alpha_i))`` with ``ln(1/alpha_i)`` as the float
+    the ledger's epsilon is computed from, one exact scale per distinct ``alpha``.
 
     :param alpha: decays in (0, 1), any shape broadcastable to the counts.
     :param sensitivity: ``N``, the L1 neighbourhood of an observation (default 1).
@@ -68,6 +74,7 @@ class HeterogeneousGeometricMechanism(Mechanism):
     """
 
     kind: ClassVar[str] = "geometric"
+    float_safe: ClassVar[bool] = True
     alpha: Any = 0.5
     sensitivity: Optional[float] = 1.0
     neighbouring: str = "substitute"
@@ -90,7 +97,7 @@ class HeterogeneousGeometricMechanism(Mechanism):
 
     @property
     def epsilon(self) -> float:
-        return -self._require_sensitivity() * float(np.log(np.min(self.alpha)))
+        return self._require_sensitivity() * max(_unique_rates(self.alpha)[1])
 
     @property
     def delta(self) -> float:
@@ -112,18 +119,40 @@ class HeterogeneousGeometricMechanism(Mechanism):
     def _check_value(self, value: ArrayLike) -> None:
         check_counts(value, "the released value", nonnegative=False)
         try:
-            np.broadcast_shapes(self._shape, np.shape(value))
+            fits = np.broadcast_shapes(self._shape, np.shape(value)) == np.shape(value)
         except ValueError:
+            fits = False
+        if not fits:  # a wider alpha would release each count several times, at the cost of one
             raise ValueError(
-                f"alpha of shape {self._shape} does not broadcast against the counts of shape "
-                f"{np.shape(value)}."
-            ) from None
+                f"alpha of shape {self._shape} does not broadcast to the counts of shape "
+                f"{np.shape(value)} (one alpha per count)."
+            )
+
+    def _exact_draw(self, bits: KeyBits, value: np.ndarray, size: int) -> np.ndarray:
+        # alpha_i^|k| = exp(-|k| / t_i), t_i = 1 / ln(1 / alpha_i) as an exact rational of the float rate
+        alpha = np.broadcast_to(np.asarray(self.alpha, np.float64).reshape(self._shape), value.shape)
+        noise = np.zeros(value.shape, np.int64)
+        for a, rate in zip(*_unique_rates(alpha)):
+            where = alpha == a
+            noise[where] = discrete_laplace(bits, 1 / Fraction(rate), (int(where.sum()),))
+        return (value.astype(np.int64) + noise).astype(int_dtype())
+
+    def flattened(self, shape: tuple[int, ...]) -> "HeterogeneousGeometricMechanism":
+        """The mechanism for counts of ``shape`` raveled to one axis (alpha broadcast and raveled)."""
+        alpha = np.broadcast_to(np.asarray(self.alpha, np.float64).reshape(self._shape), shape)
+        return HeterogeneousGeometricMechanism(alpha.ravel(), self.sensitivity, self.neighbouring)
 
     def noise_parameters(self) -> dict:
         return {
             "alpha_min": float(np.min(self.alpha)),
             "alpha_max": float(np.max(self.alpha)),
         }
+
+
+def _unique_rates(alpha) -> tuple[np.ndarray, list[float]]:
+    """The distinct decays and their rates ``ln(1 / alpha)``, each computed once, as Python floats."""
+    distinct = np.unique(np.asarray(alpha, np.float64))
+    return distinct, [-math.log(float(a)) for a in distinct]
 
 
 def check_counts(value: ArrayLike, what: str = "counts", nonnegative: bool = True) -> np.ndarray:

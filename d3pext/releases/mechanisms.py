@@ -311,6 +311,11 @@ class Mechanism(abc.ABC):
         stack of them along leading axes), by exact integer arithmetic."""
         raise NotImplementedError
 
+    def flattened(self, shape: tuple[int, ...]) -> "Mechanism":
+        """This mechanism for a statistic of ``shape`` raveled to one axis (simulators work on flat
+        release vectors): itself, unless its parameters have a shape of their own."""
+        return self
+
     def _draw(self, rng_key: Array, value: Array) -> Array:
         return self.release_distribution(value).sample(rng_key)
 

@@ -276,10 +276,10 @@ class Simulator:
             def noisy(k, stat):
                 parts = []
                 for i, (name, info) in enumerate(self.releases.items()):
-                    offset, size, _ = self._release_slices[name]
+                    offset, size, shape = self._release_slices[name]
                     parts.append(
-                        rqmc.release_points(
-                            info.mechanism, random.fold_in(k, i), stat[:, offset : offset + size],
+                        rqmc.release_points(  # parameters per count (alpha per row) raveled with the counts
+                            info.mechanism.flattened(shape), random.fold_in(k, i), stat[:, offset : offset + size],
                             num_points, method,
                         ).astype(stat.dtype)
                     )

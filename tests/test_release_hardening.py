@@ -1,0 +1,152 @@
+"""Sensitivities and releases that once claimed less than they spent: bounds on vector statistics,
+add/remove neighbours, vector records in the bounded statistics, custom statistics with bounds, a
+heterogeneous geometric mechanism releasing each count several times or in floating point, and
+simulated releases with one alpha per row."""
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats as st
+from jax import random
+
+import numpyro
+import numpyro.distributions as dist
+from numpyro.handlers import seed, trace
+
+from d3pext.handlers import make_release, privatize, privatize_counts
+from d3pext.releases.counts import HeterogeneousGeometricMechanism
+from d3pext.releases.exact import discrete_laplace_log_pmf
+from d3pext.releases.mechanisms import LaplaceMechanism
+
+
+def _released_sensitivity(model, data, **kwargs):
+    private = privatize(model, site="x", **kwargs)
+    return trace(seed(private, 0)).get_trace(data)["x_dp"]["infer"]["privatize"].mechanism.sensitivity
+
+
+def _counts_model(x=None):
+    with numpyro.plate("records", 5):
+        numpyro.sample("x", dist.Poisson(3.0), obs=x)
+
+
+@pytest.mark.parametrize("family", ["categorical", "multinomial"])
+@pytest.mark.parametrize("method", ["truncate", "clamp"])
+def test_bounds_on_vector_statistics_are_refused(family, method):
+    def model(x=None):
+        with numpyro.plate("records", 4):
+            fn = dist.Categorical(jnp.ones(3) / 3) if family == "categorical" else dist.Multinomial(10, jnp.ones(3) / 3)
+            numpyro.sample("x", fn, obs=x)
+
+    x = jnp.array([0, 1, 2, 1]) if family == "categorical" else jnp.array([[10, 0, 0], [0, 10, 0], [5, 5, 0], [0, 0, 10]])
+    with pytest.raises(ValueError, match="bounded already"):
+        _released_sensitivity(model, x, mechanism=LaplaceMechanism(1.0), bounds=(0.0, 5.0), bounds_method=method)
+    # without bounds: one record moves its whole mass (1 or 10) between components
+    assert _released_sensitivity(model, x, mechanism=LaplaceMechanism(1.0)) == (2.0 if family == "categorical" else 20.0)
+
+
+@pytest.mark.parametrize(
+    "method, neighbouring, expected",
+    [("clamp", "substitute", 5.0), ("clamp", "add_remove", 10.0),
+     ("truncate", "substitute", 10.0), ("truncate", "add_remove", 10.0)],
+)
+def test_derived_sensitivity_follows_the_neighbouring_relation(method, neighbouring, expected):
+    """Records clamped into [5, 10]: replacing one moves the sum by at most 5, adding one by 10."""
+    mechanism = LaplaceMechanism(1.0, neighbouring=neighbouring)
+    got = _released_sensitivity(_counts_model, jnp.arange(5.0), mechanism=mechanism, bounds=(5.0, 10.0), bounds_method=method)
+    assert got == expected
+    x = np.array([5.0, 7.0, 10.0, 6.0])  # the largest change of the clamped sum, by brute force
+    clamped = np.clip(x, 5, 10)
+    change = max(abs(np.clip(v, 5, 10) - c) for v in (5.0, 10.0) for c in clamped) if neighbouring == "substitute" else 10.0
+    assert got >= change
+
+
+def test_bernoulli_add_remove_sensitivity():
+    def model(x=None):
+        with numpyro.plate("records", 4):
+            numpyro.sample("x", dist.Bernoulli(0.5), obs=x)
+
+    mechanism = LaplaceMechanism(1.0, neighbouring="add_remove")
+    assert _released_sensitivity(model, jnp.array([0.0, 1.0, 1.0, 0.0]), mechanism=mechanism) == 1.0
+
+
+@pytest.mark.parametrize("statistic", ["mean", "sample_mean", "sample_variance", "records"])
+def test_statistics_scaled_by_n_are_refused_under_add_remove(statistic):
+    bounds = (0.0, 10.0) if statistic.startswith("sample") else None
+    with pytest.raises(ValueError, match="add/remove"):
+        privatize(_counts_model, site="x", mechanism=LaplaceMechanism(1.0, neighbouring="add_remove"),
+                  statistic=statistic, bounds=bounds)
+    # an explicit sensitivity is the curator's declaration, as for any statistic
+    privatize(_counts_model, site="x", mechanism=LaplaceMechanism(1.0, sensitivity=1.0, neighbouring="add_remove"),
+              statistic=statistic, bounds=bounds)
+
+
+@pytest.mark.parametrize("statistic", ["sample_mean", "sample_variance"])
+def test_bounded_statistics_refuse_vector_records(statistic):
+    def model(x=None):
+        with numpyro.plate("records", 10):
+            numpyro.sample("x", dist.Normal(jnp.zeros(4), 1.0).to_event(1), obs=x)
+
+    private = privatize(model, site="x", mechanism=LaplaceMechanism(1.0), statistic=statistic, bounds=(0.0, 1.0))
+    with pytest.raises(ValueError, match="scalar records"):
+        trace(seed(private, 0)).get_trace(jnp.zeros((10, 4)))
+
+
+def test_custom_statistic_with_bounds_is_refused():
+    with pytest.raises(ValueError, match="custom statistic"):
+        privatize(_counts_model, site="x", mechanism=LaplaceMechanism(1.0, sensitivity=1.0), statistic=jnp.sum,
+                  bounds=(0.0, 1.0), bounds_method="clamp")
+
+
+def test_heterogeneous_alpha_must_match_the_counts():
+    mechanism = HeterogeneousGeometricMechanism.from_alpha(np.full((50, 1), 0.5))
+    with pytest.raises(ValueError, match="one alpha per count"):
+        mechanism.release(None, np.array([7, 3, 0]))
+
+
+def test_heterogeneous_geometric_release_is_exact_and_has_its_law():
+    """Exact integer noise (float-safe), one scale per distinct alpha: chi-square against the pmf."""
+    alpha = np.array([0.5, 0.9])
+    mechanism = HeterogeneousGeometricMechanism.from_alpha(alpha[:, None])
+    assert mechanism.float_safe
+    assert mechanism.epsilon == pytest.approx(-np.log(0.5))
+    value = np.array([[3, 0, 7], [1, 1, 2]])
+    draws = np.asarray(mechanism.release_many(random.key(0), value, 20_000, reproducible=True))
+    assert draws.dtype.kind == "i" and draws.shape == (20_000, 2, 3)
+    noise = draws - value
+    for row, a in enumerate(alpha):
+        k = noise[:, row].ravel()
+        support = np.arange(-40, 41)
+        pmf = np.exp(discrete_laplace_log_pmf(support, 1 / -np.log(a)))
+        observed = np.array([(k == s).sum() for s in support])
+        expected = pmf * k.size
+        keep = expected >= 5  # pool the tails
+        obs = np.append(observed[keep], k.size - observed[keep].sum())
+        exp = np.append(expected[keep], k.size - expected[keep].sum())
+        assert st.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_simulated_releases_follow_one_alpha_per_row():
+    """The simulators work on flat release vectors: one alpha per document broadcast and raveled with
+    the counts (it once paired the first alpha with every count)."""
+    from d3pext.simulation.sbi import Simulator
+
+    alpha = np.array([0.01, 0.5, 0.99])
+
+    def model(counts=None):
+        rate = numpyro.sample("rate", dist.Gamma(5.0, 1.0))
+        with numpyro.plate("docs", 3, dim=-2), numpyro.plate("words", 2, dim=-1):
+            numpyro.sample("y", dist.Poisson(rate), obs=counts)
+
+    private = privatize_counts(model, site="y", mechanism=HeterogeneousGeometricMechanism.from_alpha(alpha[:, None]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        release = make_release(private, jnp.array([[3, 4], [5, 6], [2, 8]]), rng_key=0, reproducible=True)
+    sim = Simulator(private, release)
+    _, stat = sim.simulate(random.key(1), 4000)
+    points = sim.release_points(random.key(2), stat, 1, "mc")
+    assert points.shape == (4000, 1, 6)
+    sd = (np.asarray(points[:, 0]) - np.asarray(stat)).std(0)
+    expected = np.repeat(np.sqrt(2 * alpha) / (1 - alpha), 2)  # sd of a two-sided geometric
+    np.testing.assert_allclose(sd, expected, rtol=0.1)
