@@ -179,6 +179,50 @@ def test_dependence_analysis_follows_calls_and_is_conservative_in_loops():
     assert jaxpr_dependence(closed, [False, True]) == [False, True]
 
 
+def test_dependence_analysis_follows_the_carry_of_loops():
+    """Data that reach an output only after two iterations, or that set a loop's trip count, were once
+    missed (the loop body was analysed as a call, once); what never meets the data stays clean."""
+    lax = jax.lax
+
+    def lagged(x):  # the carry's second slot takes the data one iteration late
+        return lax.fori_loop(0, x.shape[0], lambda i, c: (c[0] + x[i], c[0]), (0.0, 0.0))[1]
+
+    def trip_count(x):  # the data set how often a constant is added
+        return lax.while_loop(lambda c: c[1] < c[0], lambda c: (c[0], c[1] + 1.0), (jnp.max(x), 0.0))[1]
+
+    def branch_index(x, w):
+        return lax.cond(jnp.sum(x) > 0, lambda w: w, lambda w: -w, w)
+
+    x = jnp.array([0.5, 3.2, 7.9])
+    for f in (lagged, trip_count):
+        assert dependent_outputs(f, x) is True
+        assert float(f(x)) != float(f(x.at[0].set(20.0)))  # and it does depend on them
+    assert dependent_outputs(branch_index, x, 1.0) is True
+
+    def clean(x, w):  # the data reach the stacked outputs only; the carry is a function of w alone
+        carry, ys = lax.scan(lambda c, xi: (c * 0.5 + w, c + xi), w, x)
+        steps = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * w), (0, w))[1]
+        chosen = lax.cond(w > 0, lambda a, b: a, lambda a, b: b, w, jnp.sum(x))
+        return {"carry": carry, "ys": ys, "while": steps, "cond": chosen}
+
+    assert dependent_outputs(clean, x, 0.5) == {"carry": False, "ys": True, "while": False, "cond": True}
+
+
+def test_a_global_prior_read_from_the_data_through_a_loop_is_refused():
+    def model(x):
+        lagged = jax.lax.fori_loop(0, x.shape[0], lambda i, c: (c[0] + x[i], c[0]), (0.0, 0.0))[1]
+        mu = numpyro.sample("mu", dist.Normal(lagged / x.shape[0], 1.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=20):
+            numpyro.sample("x", dist.Normal(mu, 1.0), obs=numpyro.subsample(x, event_dim=0))
+
+    def guide(x):
+        numpyro.sample("mu", dist.Normal(numpyro.param("loc", 0.0), 0.1))
+
+    svi = DPSVI(model, guide, numpyro.optim.SGD(1.0), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
+    with pytest.raises(ValueError, match="can depend on the data"):
+        svi.init(jax.random.key(1), jax.random.normal(jax.random.key(0), (200,)))
+
+
 # ------------------------------------------------------------------ non-finite records
 
 
