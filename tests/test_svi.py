@@ -487,3 +487,21 @@ def test_noise_is_one_standard_normal_draw_per_dtype():
     assert np.all(np.abs(flat.mean(0)) < 0.08) and np.all(np.abs(flat.std(0) - 1) < 0.06)
     corr = np.corrcoef(flat, rowvar=False)[np.triu_indices(flat.shape[1], 1)]
     assert np.max(np.abs(corr)) < 0.08  # 4000 draws: sd of a null correlation 0.016, 171 pairs
+
+
+def test_noise_groups_of_several_dtypes_draw_from_keys_of_their_own():
+    """Parameters of two dtypes: neither group draws from the noise key itself (the first group's words
+    hash counter pairs (i, n + i) of that key, which the second's fold_in(key, n) once equalled)."""
+    from d3pext._threefry_cpu import threefry2x32_unrolled
+    from d3pext.training.noise import standard_normal
+    from d3pext.training.svi import _standard_normals
+
+    key = jax.random.key(123)
+    like = [jnp.zeros((), jnp.float32), jnp.zeros((4,), jnp.bfloat16)]
+    z = _standard_normals(key, like)
+    first, second = jax.random.split(key)
+    assert float(z[0]) == float(standard_normal(first, (1,))[0])
+    np.testing.assert_array_equal(z[1], standard_normal(second, (4,), jnp.bfloat16))
+    words = jax.random.key_data(first)  # what the first group's first draw is made from
+    behind_first_draw = threefry2x32_unrolled(words[0], words[1], jnp.uint32(0), jnp.uint32(1))
+    assert [int(w) for w in behind_first_draw] != [int(w) for w in jax.random.key_data(second)]

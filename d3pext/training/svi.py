@@ -203,10 +203,13 @@ def _standard_normals(key: jax.Array, like: list) -> list:
     draw compiles one copy of the key's hash, however many parameter arrays there are), with the full
     tails of :func:`~d3pext.training.noise.standard_normal`."""
     out = [None] * len(like)
-    for dtype in dict.fromkeys(jnp.dtype(x.dtype) for x in like):
+    dtypes = list(dict.fromkeys(jnp.dtype(x.dtype) for x in like))
+    # several dtypes: a key of its own per group (a group drawing with `key` itself hashes counter
+    # pairs that another's fold_in(key, i) can equal)
+    group_keys = [key] if len(dtypes) == 1 else list(random.split(key, len(dtypes)))
+    for dtype, group_key in zip(dtypes, group_keys):
         members = [i for i, x in enumerate(like) if jnp.dtype(x.dtype) == dtype]
         sizes = [int(np.prod(like[i].shape)) for i in members]
-        group_key = key if members[0] == 0 else random.fold_in(key, members[0])
         z = standard_normal(group_key, (sum(sizes),), dtype)
         for i, start, size in zip(members, np.cumsum([0] + sizes[:-1]), sizes):
             out[i] = z[start:start + size].reshape(like[i].shape)
