@@ -255,6 +255,34 @@ def test_model_only_local_latents_draw_independently_of_the_guide():
     # 400 records: |r| < 0.15 is within 3 standard errors of independence (seeded, deterministic)
     assert abs(np.corrcoef(u, z)[0, 1]) < 0.15
     assert len(np.unique(u)) == len(np.unique(z)) == 400
+
+
+def test_prng_key_inside_the_data_plate_is_per_record():
+    """numpyro.prng_key() inside the data plate (dropout in an encoder) draws per record, like a sample
+    site; it once took the enclosing seed's key, the same for every record of the batch."""
+
+    def model(y):
+        with numpyro.plate("data", y.shape[0], subsample_size=8):
+            yb = numpyro.subsample(y, event_dim=0)
+            u = jax.random.normal(numpyro.prng_key(), jnp.shape(yb))
+            numpyro.deterministic("u", u)
+            numpyro.sample("y", dist.Normal(numpyro.param("m", 0.0) + 0.1 * u, 1), obs=yb)
+
+    def guide(y):
+        pass
+
+    y = jnp.zeros(100)
+    svi = DPSVI(model, guide, numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
+    state = svi.init(jax.random.key(0), y)
+    params = svi.optim.get_params(state.optim_state)
+
+    def draw(position):
+        model_trace, _ = svi._run_traces(params, jax.random.key(1), (y,), {}, position, position[None])
+        return model_trace["u"]["value"][0]
+
+    u = np.asarray(jax.vmap(draw)(jnp.arange(100)))
+    assert len(np.unique(u)) == 100
+    assert abs(u.mean()) < 0.3 and 0.75 < u.std() < 1.25  # 100 standard normals (seeded)
 @pytest.mark.parametrize(
     "kwargs, match",
     [

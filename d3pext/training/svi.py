@@ -35,6 +35,7 @@ from jax import lax, random
 from jax.extend.core import jaxpr_as_fun
 
 from numpyro.handlers import Messenger, replay, seed, substitute, trace
+from numpyro.primitives import _PYRO_STACK, plate
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.util import is_prng_key
 
@@ -125,6 +126,7 @@ class _RecordScope(Messenger):
 
     The model and the guide of one record share ``rng_key`` and take its even (``stream=0``) and odd
     (``stream=1``) folds: a latent site of the model alone then draws independently of the guide's.
+    ``numpyro.prng_key()`` inside the data plate takes the record's stream as a sample site does.
     """
 
     def __init__(self, fn, plate_name: str, rng_key, indices, stream: int):
@@ -145,8 +147,19 @@ class _RecordScope(Messenger):
             and msg["kwargs"].get("rng_key") is None
             and any(f.name == self.plate_name for f in msg["cond_indep_stack"])
         ):
-            msg["kwargs"]["rng_key"] = random.fold_in(self.rng_key, 2 * self._count + self.stream)
-            self._count += 1
+            msg["kwargs"]["rng_key"] = self._next_key()
+        elif msg["type"] == "prng_key" and msg["kwargs"].get("rng_key") is None and self._in_data_plate():
+            # numpyro.prng_key() inside the plate (dropout in an encoder): the record's own stream too
+            msg["kwargs"]["rng_key"] = self._next_key()
+
+    def _next_key(self) -> jax.Array:
+        key = random.fold_in(self.rng_key, 2 * self._count + self.stream)
+        self._count += 1
+        return key
+
+    def _in_data_plate(self) -> bool:
+        # prng_key messages carry no plate frames: look for the data plate among the active handlers
+        return any(isinstance(h, plate) and h.name == self.plate_name for h in _PYRO_STACK)
 
 
 class _FirstIndices(Messenger):
