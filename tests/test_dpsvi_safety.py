@@ -301,6 +301,15 @@ def test_poisson_padded_batches_with_mask_are_honoured_and_accounted_as_poisson(
         svi.update(state, xb)
 
 
+def test_run_refuses_one_batch_for_all_steps():
+    """Batch mode: run() would take the one batch it is given in every step, while the accountant
+    counts a fresh sample of B of the N records per step; a batch of all N records is a full-batch run."""
+    svi = dpsvi(batch_model, num_obs_total=N)
+    with pytest.raises(ValueError, match="in every step"):
+        svi.run(jax.random.key(0), 3, X[:B], progress_bar=False)
+    assert dpsvi(batch_model, num_obs_total=N).run(jax.random.key(0), 3, X, progress_bar=False).privacy.sampling_rate == 1.0
+
+
 def test_a_mask_without_a_poisson_sampler_is_refused():
     init, get_batch = poisson_batchify_data((X,), q=0.1)
     (xb,), mask = get_batch(0, init(jax.random.key(3))[1])

@@ -1261,6 +1261,7 @@ class DPSVI(SVI):
             self._check_ready()
             self._check_inputs(args, kwargs)
             state = self._on_mesh(init_state)
+        self._refuse_one_batch_for_all_steps()
         done = int(state.num_steps)
         self._check_plan(state, num_steps)
         mask = self._batch_mask(kwargs)
@@ -1298,6 +1299,19 @@ class DPSVI(SVI):
         losses = jax.device_put(np.concatenate(losses))  # (jnp.asarray compiles a program per new length)
         report = self._report(float(eps_curve[-1]), delta, done + num_steps)
         return self.run_result(state, losses, report, params=params)
+
+    def _refuse_one_batch_for_all_steps(self) -> None:
+        """In batch mode the data passed are one batch: a run would take it in every step, while the
+        accountant counts a fresh sample of B of the N records per step."""
+        structure = self.structure
+        if not structure.plate_mode and structure.batch_size < structure.num_records:
+            raise ValueError(
+                f"run() got one batch of {structure.batch_size} of the {structure.num_records} records (batch mode: "
+                "the model's data plate is as large as the data passed), and would take that batch in every step, "
+                "while the privacy accounting assumes a fresh random batch per step. Pass all N records with the "
+                "data plate subsampling them (plate mode: numpyro.plate(name, N, subsample_size=B)), or call "
+                "update() with a new batch from DPSVI's sampler in each step (poisson_batchify_data, fit_streaming)."
+            )
 
     def run_result(
         self, state: DPSVIState, losses: jax.Array, report: PrivacyReport, params: Optional[dict] = None
