@@ -301,6 +301,26 @@ def test_poisson_padded_batches_with_mask_are_honoured_and_accounted_as_poisson(
         svi.update(state, xb)
 
 
+def test_autoguide_initial_point_does_not_depend_on_the_data():
+    """NumPyro redraws an AutoGuide's initial point until the model's log density on the data is finite:
+    for y ~ Uniform(0, theta) that made theta's starting value depend on the largest record. DPSVI sets
+    the guide up from the model without its likelihood."""
+    from numpyro.infer.autoguide import AutoNormal
+
+    def model(x):
+        theta = numpyro.sample("theta", dist.LogNormal(0.0, 1.0))
+        with numpyro.plate("data", 20, subsample_size=10):
+            numpyro.sample("x", dist.Uniform(0.0, theta, validate_args=True), obs=numpyro.subsample(x, event_dim=0))
+
+    def initial(x):
+        svi = DPSVI(model, AutoNormal(model), numpyro.optim.Adam(1e-3), Trace_ELBO(), clipping_threshold=1.0,
+                    dp_scale=1.0)
+        return float(svi.get_params(svi.init(jax.random.key(0), x))["theta_auto_loc"])
+
+    x = jnp.full((20,), 0.05)
+    assert {initial(x), initial(x.at[3].set(5.0)), initial(x.at[11].set(50.0))} == {initial(x)}
+
+
 def test_run_refuses_one_batch_for_all_steps():
     """Batch mode: run() would take the one batch it is given in every step, while the accountant
     counts a fresh sample of B of the N records per step; a batch of all N records is a full-batch run."""

@@ -162,6 +162,29 @@ class _RecordScope(Messenger):
         return any(isinstance(h, plate) and h.name == self.plate_name for h in _PYRO_STACK)
 
 
+class _WithoutLikelihood(Messenger):
+    """Observed sites add nothing to the model's log density."""
+
+    def process_message(self, msg):
+        if msg["type"] == "sample" and msg["is_observed"]:
+            msg["fn"] = msg["fn"].mask(False)
+
+
+def _setup_autoguide_without_data(guide, rng_key, args, kwargs) -> None:
+    """Set up an AutoGuide's prototype (its sites and initial point) from the model without its
+    likelihood. NumPyro redraws the initial point until the model's log density and its gradient are
+    finite; on the data that would make the starting parameters, and so the released fit, a function of
+    the data outside the clipped and noised gradient."""
+    if not hasattr(guide, "_setup_prototype") or getattr(guide, "prototype_trace", True) is not None:
+        return
+    model = guide.model
+    guide.model = _WithoutLikelihood(model)
+    try:
+        seed(_FirstIndices(guide._setup_prototype), rng_key)(*args, **kwargs)
+    finally:
+        guide.model = model
+
+
 class _FirstIndices(Messenger):
     """Subsampled plates take their first indices: tracing for structure needs no random subsample."""
 
@@ -936,6 +959,7 @@ class DPSVI(SVI):
         an eager scan, compiled again on every init).
         """
         model, guide = self.model, self.guide
+        _setup_autoguide_without_data(guide, random.fold_in(rng_key, 2), args, {**kwargs, **self.static_kwargs})
         self.model, self.guide = _FirstIndices(model), _FirstIndices(guide)
         try:
             state = super().init(rng_key, *args, init_params=init_params, **kwargs)
