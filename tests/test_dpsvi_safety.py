@@ -321,6 +321,36 @@ def test_autoguide_initial_point_does_not_depend_on_the_data():
     assert {initial(x), initial(x.at[3].set(5.0)), initial(x.at[11].set(50.0))} == {initial(x)}
 
 
+def test_get_epsilon_counts_whole_epochs_and_includes_the_extra_delta():
+    """3 epochs of 25 of 60,000 records are 7,200 steps (3 / q in floats is 7199.999...: int() dropped a
+    step); the epsilon returned holds at the delta asked, the sampler's and the noise's extra included."""
+    from d3pext.training.minibatch import FixedSizeSampler, PoissonSampler
+
+    svi = dpsvi(batch_model, num_obs_total=N)
+    svi.init(jax.random.key(0), X[:B])
+    svi.sampler = FixedSizeSampler(60_000, 25)
+    assert svi._steps_of_epochs(3) == 7200 and svi._steps_of_epochs(1.3) == 3120
+    svi.sampler = FixedSizeSampler(186, 2)
+    assert svi.get_epsilon(1e-5, num_epochs=1) == svi.get_epsilon(1e-5, 93)
+
+    init, get_batch = poisson_batchify_data((X,), q=0.1, max_batch_size=55)  # a truncation term near delta
+    (xb,), mask = get_batch(0, init(jax.random.key(3))[1])
+    svi = dpsvi(batch_model, num_obs_total=N, sampler=get_batch.sampler)
+    svi.init(jax.random.key(0), xb, mask=mask)
+    steps, delta = 100, 1e-5
+    eps = svi.get_epsilon(delta, steps)
+    assert eps > svi.privacy_spent(steps, delta).epsilon  # the accountant's epsilon at delta is not enough
+    assert svi.privacy_spent(steps, delta).delta > delta
+    # at the epsilon returned, the accountant's delta plus the extra delta is within delta
+    assert svi.privacy_spent(steps, delta - svi._extra_delta(eps, steps)).epsilon <= eps
+    init, get_batch = poisson_batchify_data((X,), q=0.1, max_batch_size=0.99)  # no epsilon at delta = 1e-5
+    (xb,), mask = get_batch(0, init(jax.random.key(3))[1])
+    svi = dpsvi(batch_model, num_obs_total=N, sampler=get_batch.sampler)
+    svi.init(jax.random.key(0), xb, mask=mask)
+    with pytest.raises(ValueError, match="not below delta"):
+        svi.get_epsilon(1e-5, 100)
+
+
 def test_run_refuses_one_batch_for_all_steps():
     """Batch mode: run() would take the one batch it is given in every step, while the accountant
     counts a fresh sample of B of the N records per step; a batch of all N records is a full-batch run."""
