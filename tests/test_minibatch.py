@@ -255,6 +255,9 @@ def test_fixed_size_sampler():
     assert sampler.q == 0.032 and sampler.padded_size == 32
     assert sampler.relation is Relation.SUBSTITUTE
     assert sampler.extra_delta(2.0, 10**6) == 0.0
+    # up to N = 256 a batch heads a sort on 64-bit keys: a tie (at most C(N, 2) / 2**64) is counted
+    assert FixedSizeSampler(256, 32).extra_delta(2.0, 10**6) == pytest.approx((1 + math.exp(2.0)) * 10**6 * 256 * 255 / 2 / 2**64)
+    assert FixedSizeSampler(1, 1).extra_delta(2.0, 10) == 0.0
     assert hash(sampler) == hash(FixedSizeSampler(1000, 32))
     idx, mask = jax.jit(sampler)(chacha_key(0))
     assert idx.shape == (32,) and mask.dtype == bool and bool(mask.all())
