@@ -163,10 +163,11 @@ class _RecordScope(Messenger):
 
 
 class _WithoutLikelihood(Messenger):
-    """Observed sites add nothing to the model's log density."""
+    """Observed sites inside a plate (the records' likelihood) add nothing to the model's log density;
+    unplated ones (a ``numpyro.factor`` on the global parameters) still do."""
 
     def process_message(self, msg):
-        if msg["type"] == "sample" and msg["is_observed"]:
+        if msg["type"] == "sample" and msg["is_observed"] and msg["cond_indep_stack"]:
             msg["fn"] = msg["fn"].mask(False)
 
 
