@@ -225,6 +225,17 @@ def test_local_latents_get_independent_noise_per_record():
 
 
 
+def _per_record_traces(model, guide, y, pick):
+    """``pick(model_trace, guide_trace)`` of DPSVI's runs on each record position ``0..len(y) - 1`` of one key."""
+    svi = DPSVI(model, guide, numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
+    params = svi.optim.get_params(svi.init(jax.random.key(0), y).optim_state)
+
+    def one(position):
+        return pick(*svi._run_traces(params, jax.random.key(1), (y,), {}, position, position[None]))
+
+    return jax.vmap(one)(jnp.arange(y.shape[0]))
+
+
 def test_model_only_local_latents_draw_independently_of_the_guide():
     """A local latent of the model alone (drawn from its prior in the model) and the guide's local latent
     of the same record come from different keys: they once shared the record's first key, and were equal."""
@@ -241,16 +252,8 @@ def test_model_only_local_latents_draw_independently_of_the_guide():
         with numpyro.plate("data", y.shape[0], subsample_size=8):
             numpyro.sample("z", dist.Normal(loc, 1))
 
-    y = jnp.zeros(400)
-    svi = DPSVI(model, guide, numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
-    state = svi.init(jax.random.key(0), y)
-    params = svi.optim.get_params(state.optim_state)
-
-    def draws(position):
-        model_trace, guide_trace = svi._run_traces(params, jax.random.key(1), (y,), {}, position, position[None])
-        return model_trace["u"]["value"][0], guide_trace["z"]["value"][0]
-
-    u, z = (np.asarray(a) for a in jax.vmap(draws)(jnp.arange(400)))
+    pick = lambda model_trace, guide_trace: (model_trace["u"]["value"][0], guide_trace["z"]["value"][0])
+    u, z = (np.asarray(a) for a in _per_record_traces(model, guide, jnp.zeros(400), pick))
     assert not np.any(u == z)
     # 400 records: |r| < 0.15 is within 3 standard errors of independence (seeded, deterministic)
     assert abs(np.corrcoef(u, z)[0, 1]) < 0.15
@@ -271,16 +274,7 @@ def test_prng_key_inside_the_data_plate_is_per_record():
     def guide(y):
         pass
 
-    y = jnp.zeros(100)
-    svi = DPSVI(model, guide, numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
-    state = svi.init(jax.random.key(0), y)
-    params = svi.optim.get_params(state.optim_state)
-
-    def draw(position):
-        model_trace, _ = svi._run_traces(params, jax.random.key(1), (y,), {}, position, position[None])
-        return model_trace["u"]["value"][0]
-
-    u = np.asarray(jax.vmap(draw)(jnp.arange(100)))
+    u = np.asarray(_per_record_traces(model, guide, jnp.zeros(100), lambda model_trace, _: model_trace["u"]["value"][0]))
     assert len(np.unique(u)) == 100
     assert abs(u.mean()) < 0.3 and 0.75 < u.std() < 1.25  # 100 standard normals (seeded)
 @pytest.mark.parametrize(
