@@ -113,3 +113,42 @@ def test_processes_holding_rows_of_different_sizes_are_refused():
     for out in outs:
         assert "refused: the processes hold rows of different shapes for leaf 0" in out, out
         assert "process 0: (2, 3); process 1: (3, 3)" in out, out
+
+
+KEYS = """
+import sys, jax
+jax.distributed.initialize(num_processes=2, process_id=int(sys.argv[1]))
+import numpy as np, numpyro, numpyro.distributions as dist
+from jax.sharding import Mesh
+from jax.experimental import multihost_utils
+from d3pext import DPSVI
+from d3pext.training.parallel import process_slice, shard_records
+N, B = 8, 4
+def model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1e4))
+    with numpyro.plate("data", x.shape[0], subsample_size=B):
+        numpyro.sample("x", dist.Normal(mu, 1.0), obs=numpyro.subsample(x, event_dim=0))
+def guide(x):
+    numpyro.sample("mu", dist.Delta(numpyro.param("loc", 0.0)))
+mesh = Mesh(jax.devices(), ("data",))
+(x,) = shard_records((np.zeros(N, np.float32)[process_slice(N, mesh)],), mesh)
+svi = DPSVI(model, guide, numpyro.optim.SGD(1.0), clipping_threshold=1.0, dp_scale=1.0, mesh=mesh)
+result = svi.run(None, 3, x, progress_bar=False)  # records all 0: loc is the noise alone
+loc = float(np.asarray(result.params["loc"].addressable_data(0)))
+print("locs:", np.asarray(multihost_utils.process_allgather(np.float32(loc))).tolist())
+try:
+    svi.run(jax.random.key(jax.process_index()), 3, x, progress_bar=False)
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_processes_share_the_secure_key_and_refuse_different_keys():
+    """rng_key=None across processes: process 0's secure key for all (each drew its own, so each added
+    its own noise to one clipped sum and the replicated parameters parted); different keys: refused."""
+    port = _free_port()
+    outs = _finish([_start(KEYS, [str(i)], _env(2, port)) for i in range(2)])
+    for out in outs:
+        locs = json.loads(re.search(r"locs: (\[[^\]]*\])", out).group(1))
+        assert len(locs) == 2 and locs[0] == locs[1] and locs[0] != 0.0, out
+        assert "refused: the processes of the mesh hold different rng_keys" in out, out

@@ -47,8 +47,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = [
-    "check_data", "check_mesh", "communication", "data_parallel_clipped_sum", "padded_size", "process_slice",
-    "shard_records",
+    "agreed_key", "check_data", "check_mesh", "communication", "data_parallel_clipped_sum", "padded_size",
+    "process_slice", "shard_records",
 ]
 
 
@@ -346,3 +346,46 @@ def communication(hlo_text: str) -> dict[str, int]:
             size += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
         volume[match["op"]] = volume.get(match["op"], 0) + size
     return volume
+
+
+def _spans_processes(mesh: Mesh | None) -> bool:
+    return mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def agreed_key(rng_key: jax.Array | None, mesh: Mesh | None, what: str = "rng_key") -> jax.Array:
+    """The key every process of ``mesh`` uses: ``rng_key``, checked to be the same on all of them, or for
+    ``None`` a secure key drawn on process 0 and sent to the others.
+
+    The batch, the noise and the replicated parameters of a step come from its key: processes holding
+    different keys would each add their own noise to one clipped sum, and their parameters would drift
+    apart, while the accountant counts one release per step. On one process it is ``rng_key`` (a
+    secure key for ``None``).
+
+    >>> import jax
+    >>> key = jax.random.key(0)
+    >>> agreed_key(key, None) is key
+    True
+    """
+    from d3pext.prng import secure_key
+
+    if not _spans_processes(mesh):
+        return secure_key() if rng_key is None else rng_key
+    from jax.experimental import multihost_utils
+
+    if rng_key is None:
+        rng_key = secure_key()
+        words = multihost_utils.broadcast_one_to_all(np.asarray(jax.random.key_data(rng_key)))
+        rng_key = jax.random.wrap_key_data(np.asarray(words), impl=jax.random.key_impl(rng_key))
+    typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
+    words = jax.random.key_data(rng_key) if typed else rng_key
+    if isinstance(words, jax.Array) and not words.is_fully_addressable:  # a state replicated over the mesh
+        words = words.addressable_data(0)
+    words = np.asarray(words)
+    every = np.asarray(multihost_utils.process_allgather(words))
+    if (every != every[0]).any():
+        raise ValueError(
+            f"the processes of the mesh hold different {what}s: each would add its own noise to the same clipped "
+            "sum (and draw other batches), while the accountant counts one release per step. Give every process "
+            "the same key, or None for a secure key that process 0 draws and sends to the others"
+        )
+    return rng_key

@@ -36,6 +36,7 @@ from numpyro.util import is_prng_key
 
 from d3pext.prng import secure_key
 from d3pext.training.minibatch import FixedSizeSampler, PoissonSampler
+from d3pext.training.parallel import agreed_key
 from d3pext.training.svi import DPSVI, DPSVIRunResult, DPSVIState
 
 __all__ = ["MemmapBatches", "fit_streaming", "prefetch"]
@@ -153,7 +154,8 @@ class MemmapBatches:
             :class:`~d3pext.training.minibatch.FixedSizeSampler` that the accountant is told about
             (``DPSVI(..., sampler=batches.sampler)``); its ``num_records`` must be the number of rows.
         rng_key: the key of the batch draws; ``None`` draws a ChaCha20 key from OS entropy
-            (:func:`d3pext.prng.secure_key`). It must differ from the key given to DPSVI.
+            (:func:`d3pext.prng.secure_key`). It must differ from the key given to DPSVI. Across
+            processes it must be the same on every one (``fit_streaming`` checks it).
         dtype: the dtype(s) every array must have (one for all, or one per array); ``None`` accepts
             any numeric dtype. A mismatch is an error, not a silent cast.
 
@@ -385,9 +387,11 @@ def fit_streaming(
         raise ValueError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
     num_steps = int(num_steps)
     poisson = isinstance(batches.sampler, PoissonSampler)
+    # across processes every one must draw the same batches (and DPSVI the same noise)
+    agreed_key(batches.rng_key, svi.mesh, "batch key (give MemmapBatches the same key on every process)")
     if init_state is None:
         if rng_key is None:
-            rng_key = secure_key()
+            rng_key = agreed_key(None, svi.mesh)
         elif not is_prng_key(rng_key):
             raise TypeError(f"rng_key must be a JAX PRNG key or None, got {type(rng_key).__name__}")
         elif jax.random.key_impl(rng_key) == jax.random.key_impl(batches.rng_key) and bool(

@@ -48,8 +48,8 @@ from d3pext.training.clipping import CLIPPED_SUMS, choose_clipping
 from d3pext.training.dependence import dependent_outputs, jaxpr_dependence
 from d3pext.training.minibatch import FixedSizeSampler, PoissonSampler
 from d3pext.training.noise import noise_tail_delta, standard_normal
-from d3pext.training.parallel import check_data, check_mesh, data_parallel_clipped_sum
-from d3pext.prng import secure_key, threefry_key
+from d3pext.training.parallel import agreed_key, check_data, check_mesh, data_parallel_clipped_sum
+from d3pext.prng import threefry_key
 
 __all__ = ["DPSVI", "DPSVIState", "DPSVIRunResult", "PrivacyReport"]
 
@@ -932,13 +932,12 @@ class DPSVI(SVI):
         kwargs.pop("mask", None)  # d3p's Poisson-batch mask is DPSVI's, not the model's (see update)
         _num_records(args)
         self._check_inputs(args, kwargs)
-        if rng_key is None:
-            rng_key = secure_key()
-        elif not is_prng_key(rng_key):
+        if rng_key is not None and not is_prng_key(rng_key):
             raise TypeError(
                 f"rng_key must be a JAX PRNG key such as jax.random.key(0) (or None for a secure key from OS "
                 f"entropy), got {type(rng_key).__name__} {rng_key!r}"
             )
+        rng_key = agreed_key(rng_key, self.mesh)  # None: a secure key (process 0's, across processes)
         compiled = self._compiled_init(rng_key, args, kwargs, init_params)
         if compiled is not None:
             state, init_key, (model_trace, guide_trace) = compiled
@@ -1318,6 +1317,7 @@ class DPSVI(SVI):
         else:
             self._check_ready()
             self._check_inputs(args, kwargs)
+            agreed_key(init_state.rng_key, self.mesh, "state key")
             state = self._on_mesh(init_state)
         self._refuse_one_batch_for_all_steps()
         done = int(state.num_steps)
