@@ -55,6 +55,7 @@ import os
 from pathlib import Path
 import re
 import tempfile
+import threading
 from typing import Any, Iterable, Iterator, Mapping, Optional, Union
 import warnings
 
@@ -67,6 +68,7 @@ try:
 except ImportError:
     msvcrt = None
 
+import numpy as np
 from scipy.special import log_ndtr
 
 __all__ = [
@@ -257,7 +259,7 @@ class PrivacyCost:
                     f"noise_multiplier {z} does not give ({self.epsilon}, {self.delta})-DP"
                 )
             object.__setattr__(self, "noise_multiplier", z)
-        object.__setattr__(self, "parameters", dict(self.parameters))
+        object.__setattr__(self, "parameters", _as_read_back(self.parameters))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -272,6 +274,23 @@ class PrivacyCost:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "PrivacyCost":
         return cls(**data)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+
+def _as_read_back(parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """``parameters`` as a ledger file gives them back (tuples as lists, numpy numbers as Python
+    ones): a file-backed ledger compares what it holds with what it reads."""
+    try:
+        return json.loads(json.dumps(dict(parameters), allow_nan=False, default=_plain))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"parameters must be finite JSON numbers, strings, lists or dicts: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -406,6 +425,8 @@ class PrivacyLedger:
         )
         self.neighbouring = None if neighbouring is None else _check_neighbouring(neighbouring)
         self._entries: list[LedgerEntry] = []
+        # check and record as one step for the threads of a process (the file lock serves processes)
+        self._lock = threading.RLock()
         self.path: Optional[Path] = None
         if path is not None:
             path = Path(path)
@@ -452,8 +473,9 @@ class PrivacyLedger:
         for c in costs:
             if not isinstance(c, PrivacyCost):
                 raise TypeError(f"cost must be a PrivacyCost, got {type(c).__name__}")
-        self.refresh()
-        return self._check(costs)
+        with self._lock:
+            self.refresh()
+            return self._check(costs)
 
     def _check(self, costs: list[PrivacyCost]) -> tuple[float, float]:
         relation = self.neighbouring
@@ -515,20 +537,21 @@ class PrivacyLedger:
         if not isinstance(note, str):
             raise TypeError("note must be a string")
         costs = [cost for _, cost in items]
-        if self.path is None:
-            self._check(costs)
-            entries = self._new_entries(items, note)
-        else:
-            with _locked(self.path):
-                _remove_orphans(self.path)
-                state = _read_state(self.path)
-                self._adopt(state)  # the file, not this object, says what has been spent
+        with self._lock:
+            if self.path is None:
                 self._check(costs)
                 entries = self._new_entries(items, note)
-                _append(self.path, state, entries)  # written and fsynced, or nothing written
-        self._entries.extend(entries)
-        if self.neighbouring is None:
-            self.neighbouring = entries[0].cost.neighbouring
+            else:
+                with _locked(self.path):
+                    _remove_orphans(self.path)
+                    state = _read_state(self.path)
+                    self._adopt(state)  # the file, not this object, says what has been spent
+                    self._check(costs)
+                    entries = self._new_entries(items, note)
+                    _append(self.path, state, entries)  # written and fsynced, or nothing written
+            self._entries.extend(entries)
+            if self.neighbouring is None:
+                self.neighbouring = entries[0].cost.neighbouring
         return entries
 
     @staticmethod
@@ -602,10 +625,11 @@ class PrivacyLedger:
         :raises LedgerError: if the file is damaged, or no longer extends what this ledger read.
         """
         if self.path is not None:
-            with _locked(self.path, exclusive=False):
-                state = _read_state(self.path)
-            _warn_torn(state, "ignoring it")
-            self._adopt(state)
+            with self._lock:
+                with _locked(self.path, exclusive=False):
+                    state = _read_state(self.path)
+                _warn_torn(state, "ignoring it")
+                self._adopt(state)
         return self
 
     def save(self, path: Union[str, os.PathLike]) -> None:

@@ -631,3 +631,46 @@ def test_check_and_refresh_see_other_writers(tmp_path):
     with pytest.raises(LedgerError, match="refusing to overwrite"):
         mine.save(path)
     assert len(PrivacyLedger.load(path)) == 1
+
+
+@pytest.mark.parametrize("backed", [False, True])
+def test_threads_sharing_one_ledger_cannot_overspend_it(backed, tmp_path, monkeypatch):
+    """Check and record are one step for the threads of a process: eight threads, each releasing 0.6 of a
+    budget of 1 with a pause between the check and the record, get one release through (all eight did)."""
+    import threading
+
+    slow = PrivacyLedger._new_entries
+    monkeypatch.setattr(PrivacyLedger, "_new_entries", staticmethod(lambda items, note: time.sleep(0.01) or slow(items, note)))
+    ledger = PrivacyLedger(budget_epsilon=1.0, path=tmp_path / "ledger.jsonl" if backed else None)
+    barrier, accepted = threading.Barrier(8), []
+
+    def spend(i):
+        barrier.wait()
+        try:
+            accepted.append(ledger.record(f"r{i}", PrivacyCost("laplace", 0.6)))
+        except PrivacyBudgetExceeded:
+            pass
+
+    threads = [threading.Thread(target=spend, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(accepted) == 1 and ledger.spent() == (0.6, 0.0)
+    if backed:
+        assert len(PrivacyLedger.load(tmp_path / "ledger.jsonl")) == 1
+        ledger.record("next", PrivacyCost("laplace", 0.3))  # the object still agrees with its file
+
+
+def test_cost_parameters_are_kept_as_the_file_gives_them_back(tmp_path):
+    """A tuple parameter read back from the file as a list once made the ledger refuse its next record."""
+    import numpy as np
+
+    cost = PrivacyCost("custom", 0.5, parameters={"shape": (2, 3), "scale": np.float32(0.5)})
+    assert cost.parameters == {"shape": [2, 3], "scale": 0.5}
+    ledger = PrivacyLedger(budget_epsilon=10.0, path=tmp_path / "ledger.jsonl")
+    ledger.record("a", cost)
+    ledger.record("b", cost)
+    assert len(PrivacyLedger.load(tmp_path / "ledger.jsonl")) == 2
+    with pytest.raises(ValueError, match="JSON"):
+        PrivacyCost("custom", 0.5, parameters={"scale": float("nan")})
