@@ -351,6 +351,28 @@ def test_get_epsilon_counts_whole_epochs_and_includes_the_extra_delta():
         svi.get_epsilon(1e-5, 100)
 
 
+def test_data_and_states_must_be_the_ones_the_object_accounts_for():
+    """update or run on data of another size than init saw (plate-mode indices into fewer rows were
+    clamped to the last one, a record sampled several times a batch), and a run resumed from a state
+    whose steps another DPSVI took with other privacy settings (its earlier steps accounted at this
+    one's noise), are refused; the same settings resume."""
+    svi = dpsvi(normal_model)
+    state = svi.init(jax.random.key(0), X)
+    for call in (lambda: svi.update(state, X[:16]), lambda: svi.stable_update(state, X[:16]),
+                 lambda: svi.run(None, 1, X[:16], init_state=state, progress_bar=False)):
+        with pytest.raises(ValueError, match="initialised for N=200 records"):
+            call()
+    first = dpsvi(normal_model, dp_scale=None, epsilon=1.0, delta=1e-5, num_steps=100)
+    done = first.run(jax.random.key(1), 10, X, progress_bar=False).state
+    larger_plan = dpsvi(normal_model, dp_scale=None, epsilon=1.0, delta=1e-5, num_steps=200)  # a larger sigma
+    larger_plan.init(jax.random.key(2), X)
+    with pytest.raises(ValueError, match="other privacy settings"):
+        larger_plan.run(None, 5, X, init_state=done, progress_bar=False)
+    same = dpsvi(normal_model, dp_scale=None, epsilon=1.0, delta=1e-5, num_steps=100)
+    same.init(jax.random.key(3), X)
+    assert int(same.run(None, 5, X, init_state=done, progress_bar=False).state.num_steps) == 15
+
+
 def test_run_refuses_one_batch_for_all_steps():
     """Batch mode: run() would take the one batch it is given in every step, while the accountant
     counts a fresh sample of B of the N records per step; a batch of all N records is a full-batch run."""

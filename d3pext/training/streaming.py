@@ -404,6 +404,7 @@ def fit_streaming(
         *first, mask = batches[0]
         state = svi.init(rng_key, *first, **({"mask": mask} if poisson else {}), **kwargs)
     else:
+        svi.check_resumable(init_state)
         state = init_state
     if svi.structure is None or svi.structure.plate_mode:
         raise ValueError(

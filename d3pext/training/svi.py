@@ -20,6 +20,7 @@ are exact and noise-free; the clipping budget ``C`` is spent on the likelihood a
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 import warnings
@@ -69,6 +70,10 @@ class DPSVIState(NamedTuple):
     rng_key: Any
     num_steps: Any
     num_dropped: Any = 0
+    #: a digest of the privacy settings its steps were taken with (noise multiplier, clipping
+    #: threshold, sampler, number of noisy coordinates): a run resumed from the state by another
+    #: DPSVI accounts its earlier steps only where these are the same
+    settings_digest: Any = None
 
 
 @dataclass(frozen=True)
@@ -966,7 +971,30 @@ class DPSVI(SVI):
         self._check_record_isolation(unconstrained, init_key, args, kwargs)
         # device_put, not jnp.zeros: an eager jnp call compiles a program in every new process
         zero = lambda: jax.device_put(np.zeros((), np.int32))  # noqa: E731
-        return self._on_mesh(DPSVIState(state.optim_state, state.mutable_state, state.rng_key, zero(), zero()))
+        digest = jax.device_put(self._settings_digest())
+        return self._on_mesh(DPSVIState(state.optim_state, state.mutable_state, state.rng_key, zero(), zero(), digest))
+
+    def _settings_digest(self) -> np.ndarray:
+        """32 bits of a hash of what the accounting of a step depends on."""
+        settings = repr((float(self.dp_scale), float(self.clipping_threshold), self.sampler, self._noise_size))
+        return np.frombuffer(hashlib.sha256(settings.encode()).digest()[:4], np.uint32).reshape(())
+
+    def check_resumable(self, state: DPSVIState) -> None:
+        """Refuse a state whose steps were taken with other privacy settings than this object's: their
+        privacy spent would be accounted at this object's noise, clipping and sampling rate."""
+        done = int(state.num_steps)
+        if not done:
+            return
+        digest = state.settings_digest
+        if isinstance(digest, jax.Array) and not digest.is_fully_addressable:
+            digest = digest.addressable_data(0)
+        if digest is None or int(np.asarray(digest)) != int(self._settings_digest()):
+            raise ValueError(
+                f"the state's {done} step(s) were taken with other privacy settings (noise multiplier, clipping "
+                f"threshold, sampler or number of parameters) than this DPSVI's (sigma={self.dp_scale:.4g}, "
+                f"C={self.clipping_threshold:g}, {self.sampler!r}): it would account them at its own. Go on with "
+                "the DPSVI that took them (extend_plan for more steps)"
+            )
 
     def _on_mesh(self, state: DPSVIState) -> DPSVIState:
         """With a mesh, the state replicated over it, as the compiled step returns it: a state placed
@@ -1188,7 +1216,9 @@ class DPSVI(SVI):
             new_optim_state = by_backend(on_cpu, on_accelerator, grads, state.optim_state)
             num_steps = jnp.where(within, num_steps, state.num_steps)
             dropped = jnp.where(within, dropped, 0)
-        new_state = DPSVIState(new_optim_state, state.mutable_state, rng_key, num_steps, state.num_dropped + dropped)
+        new_state = DPSVIState(
+            new_optim_state, state.mutable_state, rng_key, num_steps, state.num_dropped + dropped, state.settings_digest
+        )
         return new_state, loss
 
     def _jitted_step(self, static_kwargs: tuple, stable: bool):
@@ -1209,6 +1239,21 @@ class DPSVI(SVI):
         if self.mesh is not None:
             check_data(args, self.mesh, self.data_axis)
             check_data(kwargs, self.mesh, self.data_axis)
+
+    def _check_records(self, args) -> None:
+        """A step's data must be what init traced the structure for: the N records in plate mode (the
+        sampler's indices lie in [0, N); on fewer rows JAX would clamp them to the last one, a record then
+        sampled several times per batch), or a batch of the sampler's length in batch mode."""
+        rows = _num_records(args)
+        structure = self.structure
+        expected = structure.num_records if structure.plate_mode else self.sampler.padded_size
+        if rows != expected:
+            raise ValueError(
+                f"the data have {rows} records, but this DPSVI was initialised for "
+                + (f"N={expected} records (plate mode)" if structure.plate_mode else f"batches of {expected} (batch mode)")
+                + ": its sampler and privacy accounting are for those. Call init with the new data (a new "
+                "DPSVI for another data set)"
+            )
 
     def _check_plan(self, state: DPSVIState, num_steps: int) -> None:
         """Refuse steps beyond the planned ``num_steps`` for which sigma was calibrated."""
@@ -1260,6 +1305,7 @@ class DPSVI(SVI):
         self._check_ready()
         self._check_plan(svi_state, 1)
         self._check_inputs(args, kwargs)
+        self._check_records(args)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
         return self._counted(svi_state, self._jitted_step(static, False)(svi_state, args, dyn, mask, self._settings()))
@@ -1274,6 +1320,7 @@ class DPSVI(SVI):
         self._check_ready()
         self._check_plan(svi_state, 1)
         self._check_inputs(args, kwargs)
+        self._check_records(args)
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
         return self._counted(svi_state, self._jitted_step(static, True)(svi_state, args, dyn, mask, self._settings()))
@@ -1317,7 +1364,9 @@ class DPSVI(SVI):
         else:
             self._check_ready()
             self._check_inputs(args, kwargs)
+            self._check_records(args)
             agreed_key(init_state.rng_key, self.mesh, "state key")
+            self.check_resumable(init_state)
             state = self._on_mesh(init_state)
         self._refuse_one_batch_for_all_steps()
         done = int(state.num_steps)
