@@ -245,7 +245,8 @@ class privatize(Messenger):
         n = int(np.prod(jnp.shape(value)))
         if n < 2:
             raise ValueError(f"privatize({self.site!r}): {self.statistic} needs n >= 2 records.")
-        x = jnp.clip(value, a, b)
+        # in at least the default float: a float16 mean rounds by more than the sensitivity (b - a) / n
+        x = jnp.clip(jnp.asarray(value, jnp.promote_types(jnp.result_type(value), jnp.result_type(float))), a, b)
         if self.statistic == "sample_mean":
             return jnp.mean(x), (b - a) / n, n, ()
         return jnp.var(x, ddof=1), (b - a) ** 2 / n, n, ()

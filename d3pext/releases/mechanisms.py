@@ -572,7 +572,9 @@ class GeometricMechanism(Mechanism):
         # alpha^|k| = exp(-|k| / t) with t = sensitivity / epsilon, an exact rational
         scale = Fraction(self._require_sensitivity()) / Fraction(self.epsilon)
         noise = discrete_laplace(bits, scale, value.shape)
-        return (value.astype(np.int64) + noise).astype(int_dtype())
+        from d3pext.releases.counts import _fit_int  # counts imports this module
+
+        return _fit_int(value.astype(np.int64) + noise, "the released values")
 
     def noise_parameters(self) -> dict:
         return {"alpha": self.alpha}
