@@ -27,6 +27,7 @@ from numpyro.infer.mcmc import MCMCKernel
 from numpyro.primitives import Messenger
 from numpyro.util import is_prng_key
 
+from d3pext._threads import one_model_at_a_time
 from d3pext.inference.mcmc import CachedMCMC
 from d3pext.inference.registry import BUILTIN_BACKENDS, Backend, backends, method_kind, select_backend
 from d3pext.inference.structure import RELEASES_KWARG, inspect_model
@@ -259,6 +260,7 @@ class PrivatePosterior(MCMCKernel):
         return "" if self._batched else self.inner.get_diagnostics_str(state.inner)
 
 
+@one_model_at_a_time
 def private_posterior(
     model: Callable,
     data: Mapping[str, Any] | None = None,
@@ -423,6 +425,7 @@ def _release_sampler(
     return sampler
 
 
+@one_model_at_a_time
 def sample_releases(
     model: Callable,
     releases: Mapping[str, jax.Array],

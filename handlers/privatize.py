@@ -29,6 +29,7 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
+from d3pext._threads import one_model_at_a_time
 from d3pext.distributions.expfam import family_of, record_distribution
 from d3pext.prng import secure_key
 from d3pext.releases.counts import check_counts
@@ -412,6 +413,7 @@ def _release_placeholder(msg: dict) -> jax.Array | None:
     return _feasible_point(msg) if statistic is None else statistic
 
 
+@one_model_at_a_time
 def make_release(
     model: Callable,
     *args: Any,

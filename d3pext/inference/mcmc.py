@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from numpyro.infer import MCMC
 from numpyro.infer.mcmc import _sample_fn_jit_args, _sample_fn_nojit_args
 
+from d3pext._threads import one_model_at_a_time
+
 __all__ = ["CachedMCMC"]
 
 
@@ -121,6 +123,10 @@ class CachedMCMC(MCMC):
     >>> mcmc.get_samples()["x"].shape
     (100,)
     """
+
+    @one_model_at_a_time
+    def run(self, *args, **kwargs):
+        return super().run(*args, **kwargs)
 
     def _single_chain_mcmc(self, init, args, kwargs, collect_fields, remove_sites):
         if self.progress_bar:

@@ -22,7 +22,7 @@ from jax.typing import ArrayLike
 import numpyro.distributions as dist
 
 from d3pext.distributions import TwoSidedGeometric
-from d3pext.dtypes import int_dtype
+from d3pext.dtypes import as_int_dtype
 from d3pext.releases.exact import KeyBits, discrete_laplace
 from d3pext.releases.mechanisms import GeometricMechanism, Mechanism
 
@@ -135,7 +135,7 @@ class HeterogeneousGeometricMechanism(Mechanism):
         for a, rate in zip(*_unique_rates(alpha)):
             where = alpha == a
             noise[where] = discrete_laplace(bits, 1 / Fraction(rate), (int(where.sum()),))
-        return _fit_int(value.astype(np.int64) + noise, "the released counts")
+        return as_int_dtype(value.astype(np.int64) + noise, "the released counts")
 
     def flattened(self, shape: tuple[int, ...]) -> "HeterogeneousGeometricMechanism":
         """The mechanism for counts of ``shape`` raveled to one axis (alpha broadcast and raveled)."""
@@ -169,16 +169,5 @@ def check_counts(value: ArrayLike, what: str = "counts", nonnegative: bool = Tru
         raise ValueError(f"{what} must be integers, got {x.dtype} values such as {x.ravel()[:3]}.")
     if nonnegative and np.any(x < 0):
         raise ValueError(f"{what} must be non-negative integers (confidential counts).")
-    return _fit_int(x, what)
+    return as_int_dtype(x, what)
 
-
-def _fit_int(x: np.ndarray, what: str) -> np.ndarray:
-    """``x`` in JAX's default integer dtype; a clear error where a value would wrap around in it."""
-    dtype = int_dtype()
-    info = np.iinfo(dtype)
-    if x.size and (np.min(x) < info.min or np.max(x) > info.max):
-        raise ValueError(
-            f"{what} reach {np.max(np.abs(x.astype(np.float64))):.4g}, beyond the {dtype} range of JAX's integers "
-            "(they would wrap around): enable 64-bit integers with jax.config.update('jax_enable_x64', True)."
-        )
-    return x.astype(dtype)

@@ -74,7 +74,7 @@ from d3pext.accountants.ledger import (
     analytic_gaussian_noise_multiplier,
 )
 from d3pext.distributions.geometric import TwoSidedGeometric
-from d3pext.dtypes import float_dtype, int_dtype
+from d3pext.dtypes import as_int_dtype, float_dtype, int_dtype
 from d3pext.releases.exact import (
     KeyBits,
     discrete_gaussian,
@@ -572,9 +572,7 @@ class GeometricMechanism(Mechanism):
         # alpha^|k| = exp(-|k| / t) with t = sensitivity / epsilon, an exact rational
         scale = Fraction(self._require_sensitivity()) / Fraction(self.epsilon)
         noise = discrete_laplace(bits, scale, value.shape)
-        from d3pext.releases.counts import _fit_int  # counts imports this module
-
-        return _fit_int(value.astype(np.int64) + noise, "the released values")
+        return as_int_dtype(value.astype(np.int64) + noise, "the released values")
 
     def noise_parameters(self) -> dict:
         return {"alpha": self.alpha}

@@ -49,6 +49,7 @@ from d3pext.training.clipping import CLIPPED_SUMS, choose_clipping
 from d3pext.training.dependence import dependent_outputs, jaxpr_dependence
 from d3pext.training.minibatch import FixedSizeSampler, PoissonSampler
 from d3pext.training.noise import noise_tail_delta, standard_normal
+from d3pext._threads import one_model_at_a_time
 from d3pext.training.parallel import agreed_key, check_data, check_mesh, data_parallel_clipped_sum
 from d3pext.prng import threefry_key
 
@@ -932,6 +933,7 @@ class DPSVI(SVI):
 
     # ------------------------------------------------------------------ SVI interface
 
+    @one_model_at_a_time
     def init(self, rng_key, *args, init_params=None, **kwargs) -> DPSVIState:
         """Trace the model, find its data plate and sampling rate, calibrate sigma if a target was given."""
         kwargs.pop("mask", None)  # d3p's Poisson-batch mask is DPSVI's, not the model's (see update)
@@ -1297,6 +1299,9 @@ class DPSVI(SVI):
         self.planned_steps = int(num_steps)  # an argument of the compiled steps: nothing compiles again
         return self.privacy_spent(self.planned_steps)
 
+    evaluate = one_model_at_a_time(SVI.evaluate)
+
+    @one_model_at_a_time
     def update(self, svi_state: DPSVIState, *args, **kwargs):
         """One private step; returns ``(state, loss)``. The loss is not a private output.
 
@@ -1310,6 +1315,7 @@ class DPSVI(SVI):
         dyn, static = _split_kwargs(kwargs)
         return self._counted(svi_state, self._jitted_step(static, False)(svi_state, args, dyn, mask, self._settings()))
 
+    @one_model_at_a_time
     def stable_update(self, svi_state: DPSVIState, *args, **kwargs):
         """Like :meth:`update`, but robust to numerical failures without breaking privacy.
 
@@ -1338,6 +1344,7 @@ class DPSVI(SVI):
             self._known_steps[id(count)] = value
             weakref.finalize(count, self._known_steps.pop, id(count), None)
 
+    @one_model_at_a_time
     def run(
         self,
         rng_key,
