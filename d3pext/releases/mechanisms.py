@@ -74,7 +74,7 @@ from d3pext.accountants.ledger import (
     analytic_gaussian_noise_multiplier,
 )
 from d3pext.distributions.geometric import TwoSidedGeometric
-from d3pext.dtypes import as_int_dtype, float_dtype, int_dtype
+from d3pext.dtypes import as_int_dtype, float_dtype
 from d3pext.releases.exact import (
     KeyBits,
     discrete_gaussian,
