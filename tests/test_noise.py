@@ -163,4 +163,6 @@ def test_dpsvi_draws_this_noise_and_counts_its_tail():
 
     svi = DPSVI(model, lambda x: None, numpyro.optim.SGD(0.1), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
     svi.init(jax.random.key(0), jnp.zeros((100, 3)))
-    assert svi._extra_delta(2.0, 500) == noise_tail_delta(2.0, 500, 3)  # 3 noised parameters, exact sampling
+    # 3 noised parameters; N = 100 records are sampled by a sort on 64-bit keys, whose ties count too
+    assert svi._extra_delta(2.0, 500) == noise_tail_delta(2.0, 500, 3) + svi.sampler.extra_delta(2.0, 500)
+    assert svi.sampler.extra_delta(2.0, 500) == pytest.approx((1 + np.exp(2.0)) * 500 * 100 * 99 / 2 / 2**64)
