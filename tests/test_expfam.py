@@ -194,3 +194,48 @@ def test_joint_sections_covariance_matches_simulation():
     tol = 0.05 * np.sqrt(np.outer(np.diag(sim_cov), np.diag(sim_cov)))  # 4 sd
     assert np.all(np.abs(joint - sim_cov) < tol), (joint, sim_cov)
     assert abs(indep[0, 1] - sim_cov[0, 1]) > 2 * tol[0, 1], (indep, sim_cov)
+
+
+@pytest.mark.parametrize("bounds", [(0.0, 10.0), (2.0, 10.0), (-3.0, 4.5)])
+def test_independent_sections_of_a_poisson_statistic(bounds):
+    """The sections below and above [a, b] of a Poisson statistic: the lower one of bounds starting at 0
+    (or below) holds no value and is dropped (it crashed on ceil(-inf)); the others have finite moments."""
+    from d3pext.distributions.expfam import random_sum_moments
+    from d3pext.inference.expfam_gibbs import _outer_sections
+
+    family = family_of(dist.Poisson(3.0))
+    sections = _outer_sections(family, *bounds)
+    expected = {(0.0, 10.0): [(11.0, math.inf)], (2.0, 10.0): [(0.0, 1.0), (11.0, math.inf)], (-3.0, 4.5): [(5.0, math.inf)]}
+    assert sections == expected[bounds]
+    for section in sections:
+        mean, var = random_sum_moments(family, jnp.log(3.0), 30, *section)
+        assert np.isfinite(mean) and np.isfinite(var) and var > 0
+    draws = SweepDraws.per_call(random.key(0), jnp.float32)
+    s_c, s = _truncated_update(draws, family, jnp.log(3.0), 30, 85.0, 1.0, bounds, "independent")
+    assert np.isfinite(s_c) and np.isfinite(s)
+
+
+@pytest.mark.parametrize("low, high", [(10.1, math.inf), (-math.inf, -10.1), (-12.4, -10.2), (12.0, 13.0)])
+def test_truncated_normal_is_exact_beyond_ten_standard_deviations(low, high):
+    """From 10 sd on the inversion took the restricted normal as an exponential (2% off in the draws'
+    scale); it is the exact quantile to float32 rounding now down to 12.5 sd (sorted draws on a grid of
+    uniforms against scipy's quantiles)."""
+    from d3pext.inference.draws import _inverse_truncated_normal
+
+    u = np.arange(1, 1000) / 1000
+    x = np.sort(np.asarray(_inverse_truncated_normal(jnp.asarray(u, jnp.float32), 0.0, 1.0, low, high), np.float64))
+    np.testing.assert_allclose(x, np.sort(stats.truncnorm.ppf(u, low, high)), rtol=2e-6)
+
+
+def test_truncated_normal_beyond_the_floats_is_the_exponential_within_its_bound():
+    """Beyond 12.5 sd in float32 the law is the exponential below b, which leaves out the density's factor
+    exp(-t^2/2) at a distance t below b: at 15 sd its quantiles are within 1% of a standard deviation of
+    scipy's, and the median excess within 2/b^2."""
+    from d3pext.inference.draws import _inverse_truncated_normal
+
+    u = np.arange(1, 1000) / 1000
+    x = np.asarray(_inverse_truncated_normal(jnp.asarray(u, jnp.float32), 0.0, 1.0, -20.0, -15.0), np.float64)
+    reference = stats.truncnorm.ppf(u, -20.0, -15.0)
+    excess, reference_excess = np.sort(-15.0 - x), np.sort(-15.0 - reference)  # distance below b
+    assert np.max(np.abs(excess - reference_excess)) < 0.01
+    assert abs(np.median(excess) / np.median(reference_excess) - 1) < 2 / 15**2  # 0.59%: 1.3 / b^2

@@ -258,7 +258,7 @@ def _exponential(fn: Distribution) -> ExpFamily:
 
 def _poisson_log_mass(eta: jax.Array, v: float, w: float) -> jax.Array:
     rate = jnp.exp(eta)
-    lo = max(math.ceil(v), 0)
+    lo = 0 if math.isinf(v) else max(math.ceil(v), 0)
     # P(X <= k) = Q(k + 1, rate), P(X >= k) = P(k, rate) (regularized incomplete gammas)
     if math.isinf(w):
         return jnp.log(gammainc(float(lo), rate)) if lo > 0 else jnp.zeros_like(rate)

@@ -208,8 +208,7 @@ def _truncated_update(draws, family, eta, n, y, noise_var, bounds, sections):
         v_s = n * sigma
         cov = n * q * (sigma_c + mu_c**2 - mu * mu_c)
     else:
-        lower, upper = _outer_sections(family, a, b)
-        v_s = v_c + sum(random_sum_moments(family, eta, n, *sec)[1] for sec in (lower, upper))
+        v_s = v_c + sum(random_sum_moments(family, eta, n, *sec)[1] for sec in _outer_sections(family, a, b))
         cov = v_c
     lo, hi = family.stat_range
     t_lo, t_hi = max(a, lo), min(b, hi)
@@ -224,10 +223,17 @@ def _truncated_update(draws, family, eta, n, y, noise_var, bounds, sections):
     return s_c, s
 
 
-def _outer_sections(family: ExpFamily, a: float, b: float):
+def _outer_sections(family: ExpFamily, a: float, b: float) -> list[tuple[float, float]]:
+    """The parts of the support below and above ``[a, b]`` (inclusive bounds for discrete families),
+    those that hold any value: an empty one (``a`` at or below the support's minimum) has no mass
+    and no moments."""
     if family.discrete:
-        return (-math.inf, math.ceil(a) - 1.0), (math.floor(b) + 1.0, math.inf)
-    return (-math.inf, a), (b, math.inf)
+        sections = ((-math.inf, math.ceil(a) - 1.0), (math.floor(b) + 1.0, math.inf))
+    else:
+        sections = ((-math.inf, a), (b, math.inf))
+    lo, hi = family.stat_range
+    clipped = [(max(v, lo), min(w, hi)) for v, w in sections]
+    return [(v, w) for v, w in clipped if v < w or (family.discrete and v == w)]
 
 
 class ExpFamGibbs(ConstrainedGibbsKernel):
