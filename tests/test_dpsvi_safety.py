@@ -368,6 +368,8 @@ def test_data_and_states_must_be_the_ones_the_object_accounts_for():
     larger_plan.init(jax.random.key(2), X)
     with pytest.raises(ValueError, match="other privacy settings"):
         larger_plan.run(None, 5, X, init_state=done, progress_bar=False)
+    with pytest.raises(ValueError, match="other privacy settings"):  # a planned object checks update too
+        larger_plan.update(done, X)
     same = dpsvi(normal_model, dp_scale=None, epsilon=1.0, delta=1e-5, num_steps=100)
     same.init(jax.random.key(3), X)
     assert int(same.run(None, 5, X, init_state=done, progress_bar=False).state.num_steps) == 15

@@ -1263,6 +1263,7 @@ class DPSVI(SVI):
             return
         done = self._known_steps.get(id(state.num_steps))
         if done is None:  # a state this object did not return: read the count (waits for the device)
+            self.check_resumable(state)
             done = int(state.num_steps)
             self._remember_steps(state.num_steps, done)
         if done + num_steps > self.planned_steps:
