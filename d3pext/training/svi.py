@@ -259,6 +259,13 @@ def _standard_normals(key: jax.Array, like: list) -> list:
     return out
 
 
+def _local_value(x) -> np.ndarray:
+    """The value of a replicated array on the host, also where it spans devices of other processes."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
+
+
 def _split_kwargs(kwargs: dict) -> tuple[dict, tuple]:
     """Arrays are traced under jit, everything else is a static (hashable) argument."""
     dynamic = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
@@ -984,13 +991,12 @@ class DPSVI(SVI):
     def check_resumable(self, state: DPSVIState) -> None:
         """Refuse a state whose steps were taken with other privacy settings than this object's: their
         privacy spent would be accounted at this object's noise, clipping and sampling rate."""
-        done = int(state.num_steps)
+        self._check_ready()
+        done = int(_local_value(state.num_steps))
         if not done:
             return
         digest = state.settings_digest
-        if isinstance(digest, jax.Array) and not digest.is_fully_addressable:
-            digest = digest.addressable_data(0)
-        if digest is None or int(np.asarray(digest)) != int(self._settings_digest()):
+        if digest is None or int(_local_value(digest)) != int(self._settings_digest()):
             raise ValueError(
                 f"the state's {done} step(s) were taken with other privacy settings (noise multiplier, clipping "
                 f"threshold, sampler or number of parameters) than this DPSVI's (sigma={self.dp_scale:.4g}, "
