@@ -47,8 +47,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = [
-    "agreed_key", "check_data", "check_mesh", "communication", "data_parallel_clipped_sum", "padded_size",
-    "process_slice", "shard_records",
+    "agreed_key", "check_data", "check_mesh", "communication", "data_parallel_clipped_sum", "host_value",
+    "padded_size", "process_slice", "shard_records",
 ]
 
 
@@ -348,6 +348,17 @@ def communication(hlo_text: str) -> dict[str, int]:
     return volume
 
 
+def host_value(x) -> np.ndarray:
+    """The value of a (replicated) array on the host, also where it spans devices of other processes.
+
+    >>> host_value(jax.numpy.arange(3))
+    array([0, 1, 2], dtype=int32)
+    """
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return np.asarray(x)
+
+
 def _spans_processes(mesh: Mesh | None) -> bool:
     return mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
 
@@ -377,10 +388,7 @@ def agreed_key(rng_key: jax.Array | None, mesh: Mesh | None, what: str = "rng_ke
         words = multihost_utils.broadcast_one_to_all(np.asarray(jax.random.key_data(rng_key)))
         rng_key = jax.random.wrap_key_data(np.asarray(words), impl=jax.random.key_impl(rng_key))
     typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
-    words = jax.random.key_data(rng_key) if typed else rng_key
-    if isinstance(words, jax.Array) and not words.is_fully_addressable:  # a state replicated over the mesh
-        words = words.addressable_data(0)
-    words = np.asarray(words)
+    words = host_value(jax.random.key_data(rng_key) if typed else rng_key)  # also a state replicated over the mesh
     every = np.asarray(multihost_utils.process_allgather(words))
     if (every != every[0]).any():
         raise ValueError(

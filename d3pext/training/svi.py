@@ -50,7 +50,7 @@ from d3pext.training.dependence import dependent_outputs, jaxpr_dependence
 from d3pext.training.minibatch import FixedSizeSampler, PoissonSampler
 from d3pext.training.noise import noise_tail_delta, standard_normal
 from d3pext._threads import one_model_at_a_time
-from d3pext.training.parallel import agreed_key, check_data, check_mesh, data_parallel_clipped_sum
+from d3pext.training.parallel import agreed_key, check_data, check_mesh, data_parallel_clipped_sum, host_value
 from d3pext.prng import threefry_key
 
 __all__ = ["DPSVI", "DPSVIState", "DPSVIRunResult", "PrivacyReport"]
@@ -257,13 +257,6 @@ def _standard_normals(key: jax.Array, like: list) -> list:
         for i, start, size in zip(members, np.cumsum([0] + sizes[:-1]), sizes):
             out[i] = z[start:start + size].reshape(like[i].shape)
     return out
-
-
-def _local_value(x) -> np.ndarray:
-    """The value of a replicated array on the host, also where it spans devices of other processes."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_data(0)
-    return np.asarray(x)
 
 
 def _split_kwargs(kwargs: dict) -> tuple[dict, tuple]:
@@ -992,11 +985,11 @@ class DPSVI(SVI):
         """Refuse a state whose steps were taken with other privacy settings than this object's: their
         privacy spent would be accounted at this object's noise, clipping and sampling rate."""
         self._check_ready()
-        done = int(_local_value(state.num_steps))
+        done = int(host_value(state.num_steps))
         if not done:
             return
         digest = state.settings_digest
-        if digest is None or int(_local_value(digest)) != int(self._settings_digest()):
+        if digest is None or int(host_value(digest)) != int(self._settings_digest()):
             raise ValueError(
                 f"the state's {done} step(s) were taken with other privacy settings (noise multiplier, clipping "
                 f"threshold, sampler or number of parameters) than this DPSVI's (sigma={self.dp_scale:.4g}, "
