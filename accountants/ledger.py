@@ -25,14 +25,22 @@ The ledger file (``path``), safe for several processes spending from it at once:
   "version": 2, "budget_epsilon", "budget_delta", "neighbouring"}``, then one line per entry,
   appended and never rewritten. A version-1 file (one JSON document with an ``"entries"``
   list, as earlier releases wrote it) loads, and is rewritten as version 2 by the first write;
+* the path is resolved (symlinks followed) once, when a ledger is created, loaded or saved:
+  every name of one file, symlinks included, is one ledger, and its lock, temporary files and
+  writes are those of the real file;
 * every read, budget check and append holds an ``flock`` on the sidecar file ``<path>.lock``
-  (``msvcrt`` on Windows); the budget is checked against the file's contents under the lock,
-  never against another process's in-memory copy; temporary files of the ledger left by a
-  crash are removed under it;
-* an append is one ``write`` of its lines, then ``fsync``; :meth:`PrivacyLedger.record`
-  returns (the spend is acknowledged) only after that, and a failed write is cut back off.
-  A new file is written to a temporary file, fsynced, renamed into place, and its directory
-  fsynced;
+  (``msvcrt`` on Windows) and, where ``flock`` exists, on the ledger file itself, so that
+  processes reaching one file through different hard links exclude each other too (without
+  ``flock``, a ledger file with several hard links is refused for writing). The ledger is read
+  and written through the locked descriptor. The budget is checked against the file's contents
+  under the lock, never against another process's in-memory copy; temporary files of the
+  ledger left by a crash are removed under it;
+* an append is one ``write`` of its lines at the end of what was read, then ``fsync``; if the
+  file's size changed since it was read under the lock (a writer that ignores the lock), the
+  append is refused with :class:`LedgerError`, never written over another entry.
+  :meth:`PrivacyLedger.record` returns (the spend is acknowledged) only after the ``fsync``,
+  and a failed write is cut back off. A new file is written to a temporary file, fsynced,
+  renamed into place, and its directory fsynced;
 * a final line without a newline that is not valid JSON is a write cut off by a crash, never
   acknowledged: it is ignored with a :class:`LedgerWarning` and removed by the next write. A
   complete final line without a newline is kept (counted). Any other damage raises
@@ -42,7 +50,9 @@ The ledger file (``path``), safe for several processes spending from it at once:
   recorded (counted but not acknowledged): on the safe side.
 
 The lock file is never deleted (deleting it would race). Versions of d3pext before the lock
-(version-1 files) do not take it: do not let them write to a ledger that newer ones share.
+(version-1 files) do not take it: do not let them write to a ledger that newer ones share. A
+version-1 file with several hard links is not migrated (the rename would split it into two
+ledgers): remove its other links first.
 """
 
 import contextlib
@@ -378,7 +388,7 @@ class PrivacyLedger:
         at which Gaussian releases are reported.
     :param neighbouring: the relation of every recorded cost (``None``: that of the first).
     :param path: ledger file to create and record to; must not exist yet (use :meth:`load` to
-        continue a ledger, from this process or any other).
+        continue a ledger, from this process or any other). Resolved: a symlink's target.
 
     >>> from d3pext.accountants.ledger import PrivacyCost, PrivacyLedger, PrivacyBudgetExceeded
     >>> ledger = PrivacyLedger(budget_epsilon=1.0)
@@ -429,14 +439,17 @@ class PrivacyLedger:
         self._lock = threading.RLock()
         self.path: Optional[Path] = None
         if path is not None:
-            path = Path(path)
-            with _locked(path):
-                if path.exists():
-                    raise FileExistsError(
-                        f"a ledger already exists at {path}; continue it with PrivacyLedger.load"
-                    )
+            path = _resolve(path)
+            exists = FileExistsError(
+                f"a ledger already exists at {path}; continue it with PrivacyLedger.load"
+            )
+            if path.exists():
+                raise exists
+            with _locked(path) as held:
+                if held.fd is not None:
+                    raise exists
                 _remove_orphans(path)
-                _write_new(path, self._header(), [])
+                _write_new(held, self._header(), [])
             self.path = path
 
     @property
@@ -542,13 +555,13 @@ class PrivacyLedger:
                 self._check(costs)
                 entries = self._new_entries(items, note)
             else:
-                with _locked(self.path):
+                with _locked(self.path) as held:
                     _remove_orphans(self.path)
-                    state = _read_state(self.path)
+                    state = _read_state(held)
                     self._adopt(state)  # the file, not this object, says what has been spent
                     self._check(costs)
                     entries = self._new_entries(items, note)
-                    _append(self.path, state, entries)  # written and fsynced, or nothing written
+                    _append(held, state, entries)  # written and fsynced, or nothing written
             self._entries.extend(entries)
             if self.neighbouring is None:
                 self.neighbouring = entries[0].cost.neighbouring
@@ -626,8 +639,8 @@ class PrivacyLedger:
         """
         if self.path is not None:
             with self._lock:
-                with _locked(self.path, exclusive=False):
-                    state = _read_state(self.path)
+                with _locked(self.path, exclusive=False) as held:
+                    state = _read_state(held)
                 _warn_torn(state, "ignoring it")
                 self._adopt(state)
         return self
@@ -636,19 +649,19 @@ class PrivacyLedger:
         """Write the ledger to ``path``: create the file, or append the entries it lacks.
 
         Takes the file's lock; a version-1 file (one JSON document) is rewritten as version 2
-        (atomically). ``path`` need not be this ledger's own ``path``.
+        (atomically). ``path`` need not be this ledger's own ``path``; a symlink is followed.
 
         :raises LedgerError: (a ``ValueError``) if ``path`` holds a ledger whose entries are not
             a prefix of this ledger's entries (fewer or different entries would forget spent
             budget), or one with a different budget.
         """
-        path = Path(path)
-        with _locked(path):
+        path = _resolve(path)
+        with _locked(path) as held:
             _remove_orphans(path)
-            if not path.exists():
-                _write_new(path, self._header(), self._entries)
+            if held.fd is None:
+                _write_new(held, self._header(), self._entries)
                 return
-            state = _read_state(path)
+            state = _read_state(held)
             existing = state.entries
             if len(existing) > len(self._entries) or not _extends(self._entries, existing):
                 raise LedgerError(
@@ -662,20 +675,21 @@ class PrivacyLedger:
                     f"{path} holds a ledger with budget (epsilon, delta) = {theirs}, this ledger"
                     f" {mine}; refusing to overwrite it"
                 )
-            _append(path, state, self._entries[len(existing):])
+            _append(held, state, self._entries[len(existing):])
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "PrivacyLedger":
         """Read a ledger file (version 2, or a version-1 JSON document); later records go to it.
 
         An incomplete final line (a write cut off by a crash, so never acknowledged) is ignored
-        with a :class:`LedgerWarning`; any other damage raises :class:`LedgerError`.
+        with a :class:`LedgerWarning`; any other damage raises :class:`LedgerError`. A symlink
+        is followed once: the ledger's ``path`` is the file it names now.
         """
-        path = Path(path)
+        path = _resolve(path)
         if not path.exists():
             raise FileNotFoundError(f"no ledger at {path}")
-        with _locked(path, exclusive=False):
-            state = _read_state(path)
+        with _locked(path, exclusive=False) as held:
+            state = _read_state(held)
         _warn_torn(state, "ignoring it")
         ledger = cls(state.budget_epsilon, state.budget_delta, neighbouring=state.neighbouring)
         ledger._entries = list(state.entries)
@@ -730,15 +744,80 @@ def _extends(longer: list[LedgerEntry], prefix: list[LedgerEntry]) -> bool:
     )
 
 
-@contextlib.contextmanager
-def _locked(path: Path, *, exclusive: bool = True) -> Iterator[None]:
-    """Hold the ledger's lock: ``flock`` on the sidecar file ``<path>.lock`` (never deleted).
+def _resolve(path: Union[str, os.PathLike]) -> Path:
+    """``path`` absolute, with every symlink in it followed: a ledger's lock, temporary files and
+    writes must not depend on the name by which a process reached the file."""
+    return Path(os.path.realpath(os.fspath(path)))
 
-    The lock is on a sidecar file, not on the ledger, because a version-1 file is migrated by
-    an atomic rename. The OS releases it when its holder dies (``kill -9`` included), so a crash
-    never leaves a stale lock. Without ``fcntl`` (Windows) ``msvcrt.locking`` is used, always
-    exclusive. A shared (reading) lock in a directory that nobody may write is skipped.
+
+class _LedgerFile:
+    """The ledger file as :func:`_locked` holds it: ``fd`` is open on it (for reading and
+    writing under the exclusive lock); ``None`` where there is no file."""
+
+    def __init__(self, path: Path, fd: Optional[int]) -> None:
+        self.path, self.fd = path, fd
+
+    def close(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked(path: Path, *, exclusive: bool = True) -> Iterator[_LedgerFile]:
+    """Hold the lock of the ledger at ``path`` (resolved, see :func:`_resolve`); yields the
+    ledger file, open.
+
+    The lock is an ``flock`` on the sidecar file ``<path>.lock`` (never deleted), which serves
+    a file that does not exist yet and the atomic rename that migrates a version-1 file, and,
+    where ``flock`` exists, one on the ledger file itself, which serves processes reaching the
+    file through another hard link (another name, so another sidecar). Reads and writes go
+    through the yielded descriptor: on NFS ``flock`` is emulated by ``fcntl`` locks, which
+    closing any other descriptor of the file would drop. The OS releases both locks when their
+    holder dies (``kill -9`` included), so a crash never leaves a stale lock.
     """
+    with _sidecar_locked(path, exclusive):
+        held = _LedgerFile(path, _open_locked(path, exclusive))
+        try:
+            yield held
+        finally:
+            held.close()
+
+
+def _open_locked(path: Path, exclusive: bool) -> Optional[int]:
+    """Open the ledger file and lock it (where ``flock`` exists); ``None`` if there is none."""
+    flags = (os.O_RDWR if exclusive else os.O_RDONLY) | getattr(os, "O_BINARY", 0)
+    while True:
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            return None
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            st = os.fstat(fd)
+            try:
+                current = os.path.samestat(st, os.stat(path))
+            except FileNotFoundError:
+                current = False
+            if current:
+                if fcntl is None and exclusive and st.st_nlink > 1:  # pragma: no cover (Windows)
+                    raise LedgerError(
+                        f"{path} has {st.st_nlink} hard links; on this platform the ledger's lock"
+                        " is per name, so processes using the other names would not be excluded:"
+                        " remove the other hard links (a symlink to the file is safe)"
+                    )
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # renamed or removed while we waited for the lock: open what it names now
+
+
+@contextlib.contextmanager
+def _sidecar_locked(path: Path, exclusive: bool) -> Iterator[None]:
+    """``flock`` on ``<path>.lock``; without ``fcntl`` (Windows) ``msvcrt.locking``, always
+    exclusive. A shared (reading) lock in a directory that nobody may write is skipped."""
     lock_path = path.with_name(path.name + ".lock")
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -812,8 +891,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _write_new(path: Path, header: Mapping[str, Any], entries: list[LedgerEntry]) -> None:
+def _write_new(held: _LedgerFile, header: Mapping[str, Any], entries: list[LedgerEntry]) -> None:
     """Write a complete version-2 file atomically: temporary file, fsync, rename, fsync dir."""
+    path = held.path
     payload = _line(header) + b"".join(_line(e.to_dict()) for e in entries)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
@@ -822,6 +902,7 @@ def _write_new(path: Path, header: Mapping[str, Any], entries: list[LedgerEntry]
             os.fsync(fd)
         finally:
             os.close(fd)
+        held.close()  # Windows cannot rename over an open file; elsewhere it would be stale
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -830,39 +911,52 @@ def _write_new(path: Path, header: Mapping[str, Any], entries: list[LedgerEntry]
     _fsync_dir(path.parent)
 
 
-def _append(path: Path, state: "_LedgerState", entries: list[LedgerEntry]) -> None:
+def _append(held: _LedgerFile, state: "_LedgerState", entries: list[LedgerEntry]) -> None:
     """Append ``entries`` to the file read as ``state`` (under the exclusive lock), fsynced.
 
     Drops an incomplete final line first (with a warning); a version-1 file is rewritten as
     version 2. On any failure the file is cut back to what it held: nothing is half-recorded.
+    Refuses if the file changed since it was read: it is never written over.
     """
+    path, fd = held.path, held.fd
+    if state.version == 2 and not entries and state.torn is None and not state.unterminated:
+        return
+    st = os.fstat(fd)
+    if st.st_size != state.size:
+        raise LedgerError(
+            f"{path} changed while this process held its lock ({state.size} bytes when read,"
+            f" {st.st_size} now): another process wrote to it without the lock (an older d3pext,"
+            " or another program); nothing was recorded. Let only this version of d3pext write"
+            " to the ledger, then load it again"
+        )
     if state.version == 1:
+        if st.st_nlink > 1:
+            raise LedgerError(
+                f"{path} is a version-1 ledger with {st.st_nlink} hard links: migrating it to"
+                " version 2 renames a new file into place, which would split its names into"
+                " separate ledgers. Remove its other hard links (a symlink to it is safe), then"
+                " record again"
+            )
         header = {
             "format": _FORMAT, "version": _VERSION, "budget_epsilon": state.budget_epsilon,
             "budget_delta": state.budget_delta, "neighbouring": state.neighbouring,
         }
-        _write_new(path, header, state.entries + entries)
-        return
-    if not entries and state.torn is None and not state.unterminated:
+        _write_new(held, header, state.entries + entries)
         return
     _warn_torn(state, "removing it")
     payload = (b"\n" if state.unterminated else b"") + b"".join(
         _line(e.to_dict()) for e in entries
     )
-    fd = os.open(path, os.O_RDWR | getattr(os, "O_BINARY", 0))
     try:
-        try:
-            if state.torn is not None:
-                os.ftruncate(fd, state.good_size)
-            os.lseek(fd, state.good_size, os.SEEK_SET)
-            _write_all(fd, payload)
-            os.fsync(fd)
-        except BaseException:
-            os.ftruncate(fd, state.good_size)  # never acknowledged: leave no trace
-            os.fsync(fd)
-            raise
-    finally:
-        os.close(fd)
+        if state.torn is not None:
+            os.ftruncate(fd, state.good_size)
+        os.lseek(fd, state.good_size, os.SEEK_SET)
+        _write_all(fd, payload)
+        os.fsync(fd)
+    except BaseException:
+        os.ftruncate(fd, state.good_size)  # never acknowledged: leave no trace
+        os.fsync(fd)
+        raise
 
 
 @dataclass
@@ -875,6 +969,7 @@ class _LedgerState:
     budget_delta: Optional[float]
     neighbouring: Optional[str]
     entries: list[LedgerEntry]
+    size: int = 0  # bytes read: the file's size when it was read under the lock
     good_size: int = 0  # bytes up to the end of the last good line
     unterminated: bool = False  # the last good line has no newline (add one before appending)
     torn: Optional[str] = None  # an incomplete final line after good_size: what to say about it
@@ -929,10 +1024,17 @@ def _relation(path: Path, relation: Optional[str], entry: LedgerEntry, where: st
     return entry.cost.neighbouring
 
 
-def _read_state(path: Path) -> _LedgerState:
-    with open(path, "rb") as f:
-        data = f.read()
-    return _parse(path, data)
+def _read_state(held: _LedgerFile) -> _LedgerState:
+    if held.fd is None:
+        raise FileNotFoundError(f"no ledger at {held.path} (removed or renamed?)")
+    os.lseek(held.fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(held.fd, 1 << 20):
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    state = _parse(held.path, data)
+    state.size = len(data)
+    return state
 
 
 def _parse(path: Path, data: bytes) -> _LedgerState:

@@ -50,6 +50,23 @@ def _is_concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def _exact_sum(t: Any, batch_ndim: int) -> np.ndarray:
+    """Curator side: the sum of per-record statistics over the leading ``batch_ndim`` axes,
+    exact for integers and correctly rounded in float64 for reals (``math.fsum``).
+
+    A sum in float32 (JAX's default) rounds by more than its sensitivity once ``n`` is large or
+    the records lie far from 0 (a mean of 1e7 birth years moved by 20x its sensitivity between
+    neighbours); correctly rounded float64 stays within a grid unit of the release mechanisms
+    (``d3pext.releases.mechanisms.to_grid_units``)."""
+    t = np.asarray(t)
+    stat_shape = t.shape[batch_ndim:]
+    rows = t.reshape(-1, int(np.prod(stat_shape, dtype=np.int64)))
+    if t.dtype == np.bool_ or np.issubdtype(t.dtype, np.integer):
+        return rows.astype(np.int64).sum(axis=0).reshape(stat_shape)
+    cols = rows.astype(np.float64).T
+    return np.array([math.fsum(col.tolist()) for col in cols], np.float64).reshape(stat_shape)
+
+
 class privatize(Messenger):
     """Release a statistic of the confidential sample site ``site`` through ``mechanism``.
 
@@ -236,7 +253,10 @@ class privatize(Messenger):
             sensitivity = family.sensitivity(bounds, neighbouring)
         if self.statistic == "records":
             return t, sensitivity, n, family.stat_shape
-        stat = jnp.sum(t, axis=tuple(range(batch_ndim)))
+        if msg["is_observed"] and _is_concrete(t):
+            stat = _exact_sum(t, batch_ndim)
+        else:
+            stat = jnp.sum(t, axis=tuple(range(batch_ndim)))
         if self.statistic == "mean":
             return stat / n, sensitivity / n, n, family.stat_shape
         return stat, sensitivity, n, family.stat_shape
@@ -246,7 +266,14 @@ class privatize(Messenger):
         n = int(np.prod(jnp.shape(value)))
         if n < 2:
             raise ValueError(f"privatize({self.site!r}): {self.statistic} needs n >= 2 records.")
-        # in at least the default float: a float16 mean rounds by more than the sensitivity (b - a) / n
+        if _is_concrete(value):  # the curator's data: clipped, summed and divided in float64
+            x = np.clip(np.asarray(value, np.float64).reshape(-1), a, b)
+            mean = math.fsum(x.tolist()) / n
+            if self.statistic == "sample_mean":
+                return np.float64(mean), (b - a) / n, n, ()
+            return np.float64(math.fsum(((x - mean) ** 2).tolist()) / (n - 1)), (b - a) ** 2 / n, n, ()
+        # traced (the analyst's model): at least the default float, as a float16 mean rounds by
+        # more than the sensitivity (b - a) / n
         x = jnp.clip(jnp.asarray(value, jnp.promote_types(jnp.result_type(value), jnp.result_type(float))), a, b)
         if self.statistic == "sample_mean":
             return jnp.mean(x), (b - a) / n, n, ()

@@ -141,3 +141,25 @@ def test_laplace_likelihood_bound():
             )
             log_cont = -np.log(2 * t) - np.abs(m - a) / t
             assert np.max(np.abs(log_exact - log_cont)) <= 1 / t + 1 / (12 * t**2) + 1e-12
+
+
+@pytest.mark.parametrize("d", [1, 3])
+def test_laplace_grid_absorbs_float_error_of_the_statistic(d):
+    # the statistic as computed may move between neighbours by its sensitivity plus float error
+    # (under a grid unit): the release's exact law must still be epsilon-DP. Exact pmfs of the
+    # grid output: randomized rounding to j, then discrete Laplace of the mechanism's scale.
+    eps = 1.0
+    lap = LaplaceMechanism(eps, sensitivity=1.0, resolution=8)
+    r, bound = lap._grid_bound(d)
+    t = bound / eps
+    a = np.array([0.25] + [0.0] * (d - 1))  # grid units
+    b = a.copy()
+    b[0] += r + 0.75  # the sensitivity r plus 0.75 units of float error, all in one coordinate
+    m = np.arange(-40, r + 41)
+
+    def log_pmf(u):  # first coordinate's output law (the others coincide for both inputs)
+        lo, w = math.floor(u), u - math.floor(u)
+        return np.logaddexp(np.log1p(-w) + discrete_laplace_log_pmf(m - lo, t),
+                            np.log(w + 1e-300) + discrete_laplace_log_pmf(m - lo - 1, t))
+
+    assert np.max(np.abs(log_pmf(a[0]) - log_pmf(b[0]))) <= eps + 1e-9

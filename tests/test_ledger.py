@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 import random
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 import pytest
 
+import d3pext.accountants.ledger as L
 from d3pext.accountants.ledger import (
     LedgerEntry,
     LedgerError,
@@ -342,8 +344,10 @@ def test_summary_is_a_readable_table():
 
 # A worker process, driven through its stdin. "load PATH": load a ledger; "go EPS T": at time T,
 # record a spend of EPS from it, say whether it was acknowledged; "loop PATH NAME": record small
-# spends forever, printing each name once record returned; "unlock": disable the file lock (only
-# for checking by hand that the race test can fail). Loading before "go" gives every worker the
+# spends forever, printing each name once record returned; "hold EPS PATH": record a spend of EPS
+# at PATH, stopping under the lock after the budget check (saying "holding") until a "release"
+# line; "unlock": disable the file lock (only for checking by hand that the race test can fail).
+# Loading before "go" gives every worker the
 # same stale in-memory view, which is what a budget check without the file's lock would trust.
 _WORKER = r"""
 import contextlib, sys, time
@@ -368,6 +372,23 @@ for line in sys.stdin:
             print("refused", flush=True)
         else:
             print("ok", flush=True)
+    elif command == "hold":
+        append = L._append
+        def held(*args, **kwargs):
+            print("holding", flush=True)
+            assert sys.stdin.readline() == "release\n"
+            return append(*args, **kwargs)
+        L._append = held
+        try:
+            L.PrivacyLedger.load(args[1]).record(me, L.PrivacyCost("laplace", float(args[0])))
+        except L.PrivacyBudgetExceeded:
+            print("refused", flush=True)
+        except L.LedgerError:
+            print("error", flush=True)
+        else:
+            print("ok", flush=True)
+        finally:
+            L._append = append
     elif command == "loop":
         ledger = L.PrivacyLedger.load(args[0])
         for i in range(10**9):
@@ -492,6 +513,89 @@ def test_kill_9_while_recording_loses_no_acknowledged_spend(tmp_path, workers):
     # The dead processes left no stale lock.
     PrivacyLedger.load(path).record("after", PrivacyCost("laplace", 1e-3))
     assert PrivacyLedger.load(path).entries[-1].name == "after"
+
+
+@pytest.mark.parametrize("other_name", ["symlink", "hard link"])
+def test_processes_reaching_one_ledger_by_other_names_share_its_lock(other_name, tmp_path, workers):
+    """A process reaching the file by another name once took another lock: while one process was
+    between its budget check and its append, another (by the other name) had 0.6 of a budget of
+    1.0 acknowledged too, and wrote its entry over the first (both acknowledged, 0.6 in the file)."""
+    real, other = tmp_path / "survey.ledger", tmp_path / "current.ledger"
+    PrivacyLedger(budget_epsilon=1.0, path=real)
+    if other_name == "symlink":
+        other.symlink_to(real)
+    else:
+        os.link(real, other)
+    a, b = workers.take(2)
+    b.stdin.write(f"load {other}\n")
+    _expect(b, "loaded")
+    a.stdin.write(f"hold 0.6 {real}\n")
+    _expect(a, "holding")  # a has checked the budget under the lock, and not yet appended
+    b.stdin.write("go 0.6 0\n")
+    b_waited = not select.select([b.stdout], [], [], 0.5)[0]  # for a's lock
+    a.stdin.write("release\n")
+    answers = [a.stdout.readline().strip(), b.stdout.readline().strip()]
+    assert answers == ["ok", "refused"] and b_waited
+    assert [e.name for e in PrivacyLedger.load(other).entries] == [a.args[3]]
+
+
+def test_append_never_writes_over_a_change_made_behind_the_lock(tmp_path, monkeypatch):
+    """A writer that ignores the lock (an older d3pext, another program) appends between a record's
+    read and its append: the append once wrote over that entry; now it is refused, file untouched."""
+    path = tmp_path / "l.ledger"
+    ledger = _file_ledger(path, names=("a",))
+    read = L._read_state
+
+    def read_then_foreign_append(*args, **kwargs):
+        state = read(*args, **kwargs)
+        with open(path, "ab") as f:
+            f.write(_entry_line("foreign"))
+        return state
+
+    monkeypatch.setattr(L, "_read_state", read_then_foreign_append)
+    with pytest.raises(LedgerError, match="changed while this process held its lock"):
+        ledger.record("b", PrivacyCost("laplace", 0.25))
+    monkeypatch.undo()
+    assert [e.name for e in PrivacyLedger.load(path).entries] == ["a", "foreign"]
+
+
+def test_a_ledger_reached_through_a_symlink_stays_one_file(tmp_path):
+    """Migrating a version-1 file through a symlink once renamed the new file over the symlink: two
+    ledgers, each under the full budget (0.6 + 0.6 acknowledged against 1.0)."""
+    real, link = tmp_path / "survey.ledger", tmp_path / "current.ledger"
+    real.write_text(json.dumps(PrivacyLedger(budget_epsilon=1.0).to_dict()))  # version 1
+    link.symlink_to(real)
+    ledger = PrivacyLedger.load(link)
+    ledger.record("a", PrivacyCost("laplace", 0.6))
+    with pytest.raises(PrivacyBudgetExceeded):
+        PrivacyLedger.load(real).record("b", PrivacyCost("laplace", 0.6))
+    assert link.is_symlink() and json.loads(real.read_text().splitlines()[0])["version"] == 2
+    assert ledger.path == Path(os.path.realpath(real))
+    PrivacyLedger.load(real).save(link)  # saving through the symlink appends to the real file
+    assert link.is_symlink() and len(PrivacyLedger.load(real)) == 1
+    # Creating a ledger through a dangling symlink creates its target.
+    dangling = tmp_path / "next.ledger"
+    dangling.symlink_to(tmp_path / "next-survey.ledger")
+    PrivacyLedger(budget_epsilon=1.0, path=dangling).record("a", PrivacyCost("laplace", 0.6))
+    assert dangling.is_symlink() and len(PrivacyLedger.load(tmp_path / "next-survey.ledger")) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".lock")) == [
+        "next-survey.ledger.lock", "survey.ledger.lock"
+    ]
+
+
+def test_a_version_1_file_with_hard_links_is_not_migrated(tmp_path):
+    """Migration renames a new file into place: through one hard link it once split the names into
+    two ledgers. Now it is refused until the other links are gone."""
+    real, other = tmp_path / "survey.ledger", tmp_path / "current.ledger"
+    real.write_text(json.dumps(PrivacyLedger(budget_epsilon=1.0).to_dict()))  # version 1
+    os.link(real, other)
+    old = real.read_bytes()
+    with pytest.raises(LedgerError, match="version-1 ledger with 2 hard links.*Remove its other"):
+        PrivacyLedger.load(other).record("a", PrivacyCost("laplace", 0.6))
+    assert os.path.samefile(real, other) and real.read_bytes() == old
+    other.unlink()
+    PrivacyLedger.load(real).record("a", PrivacyCost("laplace", 0.6))
+    assert len(PrivacyLedger.load(real)) == 1
 
 
 def _file_ledger(path, names=("a", "b")):

@@ -155,7 +155,8 @@ def test_simulated_releases_follow_one_alpha_per_row():
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_bounded_statistics_of_half_precision_records_are_computed_in_float32(dtype):
     """A float16 mean of 5000 records moved by up to 2.4x its sensitivity (b - a) / n when one record
-    changed (bfloat16: 20x); the records are promoted before they are clipped and averaged."""
+    changed (bfloat16: 20x); the records are promoted before they are clipped and averaged (to
+    float64 on the curator's side)."""
     def model(x=None):
         with numpyro.plate("records", 5000):
             numpyro.sample("x", dist.Normal(0.5, 1.0), obs=x)
@@ -163,7 +164,7 @@ def test_bounded_statistics_of_half_precision_records_are_computed_in_float32(dt
     x = np.asarray(random.uniform(random.key(0), (5000,)))
     private = privatize(model, site="x", mechanism=LaplaceMechanism(1.0), statistic="sample_mean", bounds=(0.0, 1.0))
     stat = lambda data: trace(seed(private, 0)).get_trace(jnp.asarray(data, dtype))["x_dp"]["infer"]["statistic"]
-    assert stat(x).dtype == jnp.float32
+    assert np.asarray(stat(x)).dtype == np.float64
     changed = x.copy()
     changed[0] = 1.0 - x[0]
     reference = abs(np.mean(np.asarray(jnp.asarray(changed, dtype), np.float64)) - np.mean(np.asarray(jnp.asarray(x, dtype), np.float64)))
@@ -180,3 +181,38 @@ def test_counts_beyond_the_integer_range_are_refused():
     with pytest.raises(ValueError, match="wrap around"):
         GeometricMechanism(1.0).release(random.key(0), np.array([3_000_000_000, 7]), reproducible=True)
     assert check_counts([2**31 - 1]).dtype == np.int32
+
+
+# --- the curator's statistic in float64 -----------------------------------------------------------
+
+
+def _year_model(statistic, n):
+    def model(x=None):
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Exponential(1.0), obs=x)
+
+    kwargs = {} if statistic == "mean" else {"bounds_method": "clamp"}
+    return privatize(model, site="x", mechanism=LaplaceMechanism(1.0), statistic=statistic,
+                     bounds=(1900.0, 2025.0), **kwargs)
+
+
+@pytest.mark.parametrize("statistic", ["mean", "sample_mean", "sample_variance"])
+def test_curator_statistics_move_by_at_most_their_sensitivity(statistic):
+    # birth years in [1900, 2025], n = 1e6: one float32 ulp of the mean (1.2e-4) is about the
+    # sensitivity 125 / n. In float32 the sample mean of neighbours moved by 1.95x the
+    # sensitivity, and the mean and variance lost the change (0.18x, 0.03x of it)
+    n = 10**6
+    x = np.random.default_rng(2).integers(1920, 2010, n).astype(np.float32)
+    model = _year_model(statistic, n)
+    reference = np.var if statistic == "sample_variance" else np.mean
+    for shared in range(3):
+        x[1] = 1920 + shared
+        values, exact = [], []
+        for record in (1900.0, 2025.0):  # record 0 substituted, inside the bounds
+            x[0] = record
+            site = trace(seed(model, 0)).get_trace(jnp.asarray(x))["x_dp"]
+            values.append(float(site["infer"]["statistic"]))
+            exact.append(reference(x.astype(np.float64), **({"ddof": 1} if statistic == "sample_variance" else {})))
+            sensitivity = site["infer"]["privatize"].mechanism.sensitivity
+        assert values == pytest.approx(exact, rel=1e-12)
+        assert abs(values[0] - values[1]) <= sensitivity * (1 + 1e-9)

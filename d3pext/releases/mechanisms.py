@@ -23,8 +23,10 @@ neighbouring data sets. What is protected, and how:
   spacing ``sensitivity / resolution`` by exact randomized rounding, adds exact discrete Laplace
   or discrete Gaussian noise (Canonne, Kamath & Steinke 2020, :mod:`d3pext.releases.exact`) with
   integer arithmetic only, and returns the grid point: a function of an integer that is
-  differentially private as such. The Laplace cost is exactly its epsilon (scalar: the noise has
-  exactly the nominal scale; a vector of ``d`` values: at most ``1 + 1/resolution`` times it). The
+  differentially private as such. The Laplace cost is exactly its epsilon, with noise
+  ``1 + 1/resolution`` times the nominal scale: one grid unit per value for the randomized
+  rounding and one in all for the float rounding of the statistic (under a unit: the statistic
+  below ``2^50`` units, computed in float64 by :func:`~d3pext.handlers.make_release`). The
   scalar discrete Gaussian's exact delta is checked against the target (Theorem 7); vectors are
   accounted as the continuous Gaussian at the rounding-inflated sensitivity, and the ledger
   composes Gaussian releases as continuous Gaussians (their single-release curves agree to
@@ -34,16 +36,18 @@ neighbouring data sets. What is protected, and how:
   (:func:`d3pext.prng.secure_key`); an explicit key warns (:class:`ReproducibleReleaseWarning`).
 - *Bad inputs*: non-finite values are refused; a non-integer sensitivity of the geometric
   mechanism (which would double its true epsilon) is refused.
-- *Not covered*: the sensitivity is the curator's declaration (bounds, clamping, the statistic);
-  it holds for the statistic as computed, up to the floating-point error of that computation
-  (exact for integer counts below 2^24 in float32); side channels such as timing are not
-  addressed.
+- *Not covered*: the sensitivity is the curator's declaration (bounds, clamping, the statistic).
+  :func:`~d3pext.handlers.make_release` computes the statistics it releases from concrete data
+  in float64 (sums correctly rounded, integer sums exact), so they move between neighbours by
+  the sensitivity plus under a grid unit; a statistic computed by the caller and passed to
+  :meth:`Mechanism.release` is trusted to that precision (a float32 mean of 1e7 records can move
+  by 20 times its sensitivity). Side channels such as timing are not addressed.
 
 For inference, :meth:`Mechanism.release_distribution` is the continuous law of the nominal
-noise. For a scalar Laplace release the exact law of the grid point differs from ``grid *``
-density by a factor within ``exp(+-(1/t + 1/(12 t^2)))``, ``t = resolution / epsilon`` (0.1% at
-the defaults; ``tests/test_exact.py`` checks the bound), so posteriors are unchanged to that
-factor.
+noise (``1/resolution`` narrower than the noise drawn, 0.1% at the default). For a scalar Laplace
+release the exact law of the grid point differs from ``grid *`` the continuous density of its own
+scale by a factor within ``exp(+-(1/t + 1/(12 t^2)))``, ``t = (resolution + 1) / epsilon``
+(``tests/test_exact.py`` checks the bound), so posteriors are unchanged to that factor.
 """
 
 import abc
@@ -107,10 +111,12 @@ def to_grid_units(value: np.ndarray, sensitivity: float, resolution: int) -> np.
     """``value * resolution / sensitivity`` as exact rationals (floats at their binary value)."""
     ratio = Fraction(resolution) / Fraction(sensitivity)
     flat = [Fraction(float(v)) * ratio for v in np.asarray(value, dtype=np.float64).reshape(-1)]
-    if flat and max(abs(a) for a in flat) >= 2**52:
+    # below 2^50 grid units a float64 statistic's rounding (a few ulps, correctly rounded sums)
+    # stays under a quarter unit, which the mechanisms' one unit of slack absorbs
+    if flat and max(abs(a) for a in flat) >= 2**50:
         raise ValueError(
             "the statistic is too large for its sensitivity: value / sensitivity * resolution "
-            f"must stay below 2^52 (got {float(max(abs(a) for a in flat)):.3g}); lower the "
+            f"must stay below 2^50 (got {float(max(abs(a) for a in flat)):.3g}); lower the "
             "mechanism's resolution or rescale the statistic."
         )
     return np.array(flat, dtype=object).reshape(np.shape(value))
@@ -127,11 +133,13 @@ def _discrete_gaussian_variance(
     epsilon: float, delta: float, noise_multiplier: float, resolution: int, size: int
 ) -> Fraction:
     """``sigma^2`` in grid units of the discrete Gaussian release: the noise multiplier times the
-    sensitivity after randomized rounding (``resolution`` for a scalar, at most ``resolution +
-    sqrt(size)`` in L2 for a vector); for a scalar, raised until the exact discrete ``delta``
-    (Canonne et al., Theorem 7) meets the target. Vectors are accounted as the continuous
-    Gaussian at that sensitivity (their discrete privacy curve is not computed here)."""
-    sensitivity = resolution if size == 1 else resolution + math.sqrt(size)
+    sensitivity after randomized rounding, with one unit for the float rounding of the statistic
+    (under one unit: see :func:`to_grid_units`): ``resolution + 1`` for a scalar (an integer: the
+    rounded values of neighbours differ by ``ceil(y) < y + 1``), at most ``resolution +
+    sqrt(size) + 1`` in L2 for a vector. For a scalar, raised until the exact discrete ``delta``
+    (Canonne et al., Theorem 7) meets the target; vectors are accounted as the continuous Gaussian
+    at that sensitivity (their discrete privacy curve is not computed here)."""
+    sensitivity = resolution + 1 if size == 1 else resolution + math.sqrt(size) + 1
     sigma = noise_multiplier * sensitivity
 
     def rounded_up(sigma: float) -> Fraction:
@@ -141,7 +149,7 @@ def _discrete_gaussian_variance(
         q = 2 ** max(0, 20 - int(exact).bit_length())
         return Fraction(math.ceil(exact * q), q)
 
-    while size == 1 and discrete_gaussian_delta(epsilon, rounded_up(sigma), resolution) > delta:
+    while size == 1 and discrete_gaussian_delta(epsilon, rounded_up(sigma), resolution + 1) > delta:
         sigma *= 1 + 2**-20
     return rounded_up(sigma)
 
@@ -372,15 +380,21 @@ class LaplaceMechanism(Mechanism):
     def release_distribution(self, value: ArrayLike) -> Distribution:
         return dist.Laplace(value, self.scale)
 
-    def _exact_draw(self, bits: KeyBits, value: np.ndarray, size: int) -> np.ndarray:
-        # In grid units (sensitivity / r) neighbours differ by at most r in L1; randomized
-        # rounding adds at most 1 per coordinate that differs. A scalar keeps r = resolution and
-        # the L1 bound r; a vector of d values takes r = resolution * d and the bound r + d, so
-        # that its noise is at most (1 + 1/resolution) times the nominal scale. The discrete
-        # Laplace of scale bound / epsilon then gives exactly epsilon.
-        sensitivity, d = self._require_sensitivity(), size
+    def _grid_bound(self, d: int) -> tuple[int, int]:
+        """Grid units per sensitivity ``r`` and the L1 bound between neighbours' rounded values,
+        for a statistic of ``d`` values."""
         r = self.resolution * d
-        bound = r if d == 1 else r + d
+        return r, r + d
+
+    def _exact_draw(self, bits: KeyBits, value: np.ndarray, size: int) -> np.ndarray:
+        # In grid units (sensitivity / r, r = resolution * d for d values) neighbours differ by
+        # at most r in L1, plus the float rounding of the statistic (under one unit: see
+        # to_grid_units). For a fixed uniform, randomized rounding turns a difference y into at
+        # most ceil(y) < y + 1 per coordinate, so the rounded values differ by an integer below
+        # r + d + 1: at most r + d. The discrete Laplace of scale (r + d) / epsilon then gives
+        # exactly epsilon, with (1 + 1/resolution) times the nominal noise.
+        sensitivity = self._require_sensitivity()
+        r, bound = self._grid_bound(size)
         j = randomized_round(bits, to_grid_units(value, sensitivity, r))
         k = discrete_laplace(bits, Fraction(bound) / Fraction(self.epsilon), j.shape)
         return from_grid_units(j + k, sensitivity, r, value)
@@ -479,7 +493,8 @@ class GaussianMechanism(Mechanism):
 
     def _exact_draw(self, bits: KeyBits, value: np.ndarray, size: int) -> np.ndarray:
         # grid sensitivity / r with r = resolution * ceil(sqrt(d)): neighbours differ by at most
-        # r in L2, plus at most sqrt(d) from randomized rounding (1 per coordinate)
+        # r in L2, plus at most sqrt(d) from randomized rounding (1 per coordinate) and under 1
+        # from the float rounding of the statistic (see _discrete_gaussian_variance)
         sensitivity, d = self._require_sensitivity(), size
         r = self.resolution * math.isqrt(d - 1) + self.resolution if d > 1 else self.resolution
         j = randomized_round(bits, to_grid_units(value, sensitivity, r))
