@@ -187,12 +187,18 @@ def _check_positive(name: str, value) -> float:
 
 
 def _check_sigma(sigma) -> float:
-    """A noise multiplier whose privacy loss can be evaluated in floats (``1 / sigma^2`` finite)."""
+    """A noise multiplier whose privacy loss can be evaluated in floats (``sigma^2`` and ``1 / sigma^2``
+    finite)."""
     sigma = _check_positive("sigma", sigma)
     if sigma < 1e-100:
         raise AccountingError(
             f"sigma={sigma!r} is too small to account: 1 / sigma^2 overflows, and the privacy loss is far beyond any "
             "meaningful guarantee (use a noise multiplier of order 1)"
+        )
+    if sigma > 1e100:
+        raise AccountingError(
+            f"sigma={sigma!r} is too large to account: sigma^2 overflows, and the privacy loss is far below any "
+            "measurable epsilon (use a noise multiplier below 1e100)"
         )
     return sigma
 

@@ -251,15 +251,22 @@ def program_digest(closed) -> Optional[str]:
 
 
 def _program_key(traced) -> Optional[str]:
-    """The store's key of a traced program: its :func:`program_digest`, its argument and result trees
-    and its environment; ``None`` for a program that is not stored."""
+    """The store's key of a traced program: its :func:`program_digest`, its argument and result trees,
+    the options of the ``jit`` that traced it (donation, shardings, layouts, ``keep_unused``, compiler
+    options: a donating executable served to a caller that asked for none deletes its arguments) and
+    its environment; ``None`` for a program that is not stored."""
     import hashlib
+    import re
 
     program = program_digest(traced.jaxpr)
-    if program is None:
+    params = getattr(traced, "_params", None)
+    if program is None or not isinstance(params, dict):
+        return None
+    options = repr(sorted((k, repr(v)) for k, v in params.items() if k not in ("jaxpr", "name")))
+    if re.search(r" at 0x[0-9a-fA-F]+", options):  # an option known only by its address
         return None
     digest = hashlib.sha256()
-    for part in (_environment_key(), program, traced.in_tree, traced.out_tree):
+    for part in (_environment_key(), program, options, traced.in_tree, traced.out_tree):
         digest.update(str(part).encode())
         digest.update(b"\0")
     return digest.hexdigest()

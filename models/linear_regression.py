@@ -120,7 +120,9 @@ def private_linear_regression(
 
     ``sensitivity`` defaults to :func:`linear_regression_sensitivity`; smaller values are refused.
     Call the result with the model's arguments (``n``, ``means``, ...; ``records=`` on the
-    curator's side).
+    curator's side). The sensitivity holds for ``n`` records of ``p`` covariates only: ``n``
+    defaults to the built one, and another ``n``, ``means`` of another length than ``p`` or
+    records of another shape than ``(n, p + 1)`` are refused.
 
     >>> import jax.numpy as jnp
     >>> from numpyro.handlers import seed, trace
@@ -130,6 +132,7 @@ def private_linear_regression(
     ((9,), 0.1275)
     """
     proven = linear_regression_sensitivity(p, n)
+    built_n, p = int(n), int(p)
     if sensitivity is None:
         sensitivity = proven
     elif sensitivity < proven * (1 - 1e-12):
@@ -138,12 +141,37 @@ def private_linear_regression(
             "release would not be epsilon-DP."
         )
     mechanism = LaplaceMechanism(epsilon, sensitivity=sensitivity)
-    return privatize(
-        linear_regression_model,
-        site="records",
-        mechanism=mechanism,
-        statistic=lambda r: linear_regression_statistic(r, bound),
-    )
+
+    def mismatch(what: str) -> ValueError:
+        return ValueError(
+            f"private_linear_regression was built for n={built_n} records of p={p} covariates "
+            f"(sensitivity {sensitivity:g}), but {what}: the release would not be epsilon-DP. "
+            "Build the model for the data: private_linear_regression(n, epsilon, p=p)."
+        )
+
+    def statistic(records: jax.Array) -> jax.Array:
+        # the records (also when set through a handler) fix the statistic's divisor and length
+        shape = tuple(jnp.shape(records))
+        if shape[-2:] != (built_n, p + 1):
+            raise mismatch(f"the records have shape {shape} (expected (n, p + 1) = "
+                           f"{(built_n, p + 1)}: the covariates, then y)")
+        return linear_regression_statistic(records, bound)
+
+    def model(
+        n: int = built_n,
+        means: tuple[float, ...] = PAPER_MEANS,
+        noise_variance: float = 2.0,
+        prior_scale: float = 1.0,
+        records: jax.Array | None = None,
+    ) -> None:
+        if n != built_n:
+            raise mismatch(f"the model was called with n={n}")
+        if np.shape(means) != (p,):
+            raise mismatch(f"the model was called with means of shape {np.shape(means)} (p={p} "
+                           "entries expected)")
+        linear_regression_model(n, means, noise_variance, prior_scale, records)
+
+    return privatize(model, site="records", mechanism=mechanism, statistic=statistic)
 
 
 def _unpack(s: jax.Array, p: int):

@@ -242,7 +242,9 @@ def private_naive_bayes(
     sensitivity: float | None = None,
 ):
     """The privatized model, with ``n``, the levels and the prior bound in: call it with no
-    arguments (``records=`` on the curator's side). Release ``"records_dp"``.
+    arguments (``records=`` on the curator's side). Release ``"records_dp"``. The sensitivity
+    holds for these ``n``, ``num_classes`` and ``levels`` only: passing other values to the model
+    is refused; build another model instead.
 
     >>> from numpyro.handlers import seed, trace
     >>> model = private_naive_bayes()
@@ -261,7 +263,29 @@ def private_naive_bayes(
             "the release would not be epsilon-DP."
         )
     mechanism = LaplaceMechanism(epsilon, sensitivity=float(sensitivity), neighbouring="substitute")
-    model = partial(naive_bayes_model, n=n, num_classes=num_classes, levels=levels, alpha=alpha)
+    built = {"n": n, "num_classes": num_classes, "levels": levels}
+
+    def mismatch(what: str) -> ValueError:
+        return ValueError(
+            f"private_naive_bayes was built for n={n}, num_classes={num_classes}, "
+            f"levels={levels} (sensitivity {sensitivity:g}), but {what}: the release would not "
+            "be epsilon-DP. Build the model for the data: private_naive_bayes(n, epsilon, "
+            "num_classes, levels)."
+        )
+
+    def model(
+        n: int = n,
+        num_classes: int = num_classes,
+        levels: Sequence[int] = levels,
+        alpha: float = alpha,
+        records: jax.Array | None = None,
+    ) -> None:
+        given = {"n": n, "num_classes": num_classes, "levels": tuple(levels)}
+        for name, value in given.items():
+            if value != built[name]:
+                raise mismatch(f"the model was called with {name}={value!r}")
+        naive_bayes_model(n, num_classes, levels, alpha, records)
+
     return privatize(
         model,
         site="records",

@@ -174,7 +174,10 @@ def private_sir(
     """The privatized SIR model: release ``"infected_dp"`` = binomial counts (out of
     ``total_count``), ``epsilon = total_count num_times / pseudo_count`` (10 for the paper).
 
-    Call it with ``(population, times)``; the observed release is the paper's vector times ``n``.
+    Call it with ``(population, times)`` (defaults: the built ``population`` and
+    :data:`PAPER_TIMES`); the observed release is the paper's vector times ``n``. The sensitivity
+    ``L = num_times`` holds for ``num_times`` observation times only: ``times`` of another length,
+    or another ``population`` than the mechanism's, are refused.
 
     >>> from d3pext.models.sir import private_sir
     >>> model = private_sir(1000)
@@ -184,7 +187,35 @@ def private_sir(
     >>> tr["infected_dp"]["infer"]["privatize"].mechanism.epsilon
     10.0
     """
+    if isinstance(num_times, bool) or int(num_times) != num_times or num_times < 1:
+        raise ValueError(f"num_times must be a positive integer, got {num_times!r}.")
+    num_times = int(num_times)
     mechanism = BinomialMechanism.from_pseudo_count(
         total_count, pseudo_count, population, sensitivity=float(num_times)
     )
-    return privatize(sir_model, site="infected", mechanism=mechanism, statistic=lambda x: x)
+    built = mechanism.population
+
+    def check_times(length: int) -> None:
+        if length != num_times:
+            raise ValueError(
+                f"private_sir was built for num_times={num_times} observation times (sensitivity "
+                f"L = {num_times}, epsilon = {mechanism.epsilon:g}), but the model got {length}: "
+                "the recorded epsilon would not be the release's (understated for more times). "
+                "Build it with private_sir(..., num_times=len(times))."
+            )
+
+    def statistic(infected: jax.Array) -> jax.Array:
+        check_times(jnp.shape(infected)[-1])
+        return infected
+
+    def model(population: int = built, times=PAPER_TIMES, initial_infected: int = 1) -> None:
+        if population != built:
+            raise ValueError(
+                f"private_sir was built for population={built} (the binomial mechanism's K), but "
+                f"the model was called with population={population}: the release would be modelled "
+                "with the wrong K. Build it with private_sir(population, ...)."
+            )
+        check_times(int(np.size(times)))
+        sir_model(population, times, initial_infected)
+
+    return privatize(model, site="infected", mechanism=mechanism, statistic=statistic)

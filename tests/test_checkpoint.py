@@ -116,6 +116,39 @@ def test_untrusted_and_foreign_files_are_refused(tmp_path):
         load_fit(newer)
 
 
+def _edited(tmp_path, fit, **changes):
+    result, _, _ = fit
+    path = save_fit(tmp_path / "fit.npz", result.params, result.privacy)
+    with np.load(path, allow_pickle=False) as z:
+        arrays = dict(z)
+    header = json.loads(str(arrays["__d3pext_fit__"]))
+    header["privacy"].update(changes)
+    arrays["__d3pext_fit__"] = np.array(json.dumps(header))
+    edited = tmp_path / "edited.npz"
+    np.savez(edited, **arrays)
+    return edited
+
+
+@pytest.mark.parametrize("changes", [
+    {"epsilon": float("nan")}, {"epsilon": -3.0}, {"num_steps": "many"}, {"num_steps": 2.5},
+    {"delta": 2.0}, {"sampling_rate": 0.0}, {"noise_multiplier": -1.0}, {"relation": "any"},
+])
+def test_a_saved_report_out_of_range_is_refused(fit, tmp_path, changes):
+    # such reports loaded silently and printed as the fit's privacy
+    with pytest.raises(ValueError, match="privacy report is invalid"):
+        load_fit(_edited(tmp_path, fit, **changes))
+
+
+def test_a_saved_report_below_the_accountant_s_epsilon_is_refused(fit, tmp_path):
+    # an edited epsilon of 0.01 loaded silently; the accountant gives the run's own for its settings
+    result, _, _ = fit
+    with pytest.raises(ValueError, match="damaged or edited"):
+        load_fit(_edited(tmp_path, fit, epsilon=0.01))
+    with pytest.raises(ValueError, match="damaged or edited"):
+        load_fit(_edited(tmp_path, fit, num_steps=3 * result.privacy.num_steps))
+    assert load_fit(_edited(tmp_path, fit, epsilon=2 * result.privacy.epsilon)).privacy.epsilon > 0
+
+
 def test_bad_inputs(tmp_path):
     with pytest.raises(TypeError, match="pytree of dicts"):
         save_fit(tmp_path / "a.npz", {"f": lambda: 0})

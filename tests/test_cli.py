@@ -118,6 +118,10 @@ def test_sigma_inverts_epsilon(capsys):
         ),
         (["demo", "--batch-size", "1000"], r"--batch-size: must be at most the number of training records \(398\)"),
         (["demo", "--seed", "-1"], r"--seed: seed must be in"),
+        (  # sigma^2 overflowed: a traceback
+            ["epsilon", "--sigma", "2e154", "--q", "0.01", "--steps", "10", "--delta", "1e-5"],
+            "too large to account",
+        ),
     ],
 )
 def test_bad_input_exits_with_a_message(argv, match, capsys):

@@ -94,6 +94,24 @@ def test_release_has_the_paper_noise_scale():
     assert stats.kstest(noise, stats.laplace(scale=info.mechanism.scale).cdf).pvalue > 1e-3
 
 
+def test_model_refuses_arguments_other_than_the_built_ones():
+    """The sensitivity 2K/n is fixed at build time: the model must not take another n or K
+    (n = 10 records under a model built for 100 were accepted: neighbours differed by 10 times
+    the stated sensitivity)."""
+    model = substitute(private_naive_bayes(100, 1.0), data=TRUTH)
+    small = jnp.zeros((10, 3), jnp.int32)
+    for kwargs, match in [
+        (dict(n=10, records=small), "built for n=100.*called with n=10"),
+        (dict(levels=(2, 2, 2)), r"called with levels=\(2, 2, 2\)"),
+        (dict(num_classes=3), "called with num_classes=3"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            trace(seed(model, 0)).get_trace(**kwargs)
+    # the built values may be passed again
+    tr = trace(seed(model, 0)).get_trace(100, 2, (2, 2), records=jnp.zeros((100, 3), jnp.int32))
+    assert tr["records_dp"]["infer"]["privatize"].sensitivity == pytest.approx(0.04)
+
+
 def test_records_distribution_matches_probabilities():
     d = NaiveBayesRecords(jnp.array(PAPER_CLASS_PROBS), [jnp.array(p) for p in PAPER_FEATURE_PROBS])
     x = np.asarray(d.sample(random.key(0), (20000,)))

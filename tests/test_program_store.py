@@ -103,6 +103,21 @@ def test_every_change_to_the_program_or_its_types_is_another_entry(store):
     assert len(entries(store)) == 7
 
 
+def test_jit_options_are_part_of_the_program(store):
+    """A donating executable was served to a later ``cached_jit`` that asked for no donation: the
+    caller's argument was deleted ("Array has been deleted")."""
+    def f(x):
+        return jnp.sin(x) * 2.0
+
+    cached_jit(f, donate_argnums=0)(jnp.arange(4.0))
+    x = jnp.arange(4.0)
+    np.testing.assert_allclose(cached_jit(f)(x), np.sin(np.arange(4.0)) * 2.0, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(x), np.arange(4.0))  # still there
+    assert len(entries(store)) == 2
+    cached_jit(f, keep_unused=True)(x)
+    assert len(entries(store)) == 3
+
+
 def test_a_damaged_entry_is_compiled_again_and_replaced(store):
     x = jnp.ones(3)
     expected = np.asarray(cached_jit(jnp.cos)(x))

@@ -461,3 +461,45 @@ def test_unconstrained_large_epsilon_and_naive(x64):
             draws = np.asarray(samples[site])
             mcse = draws.std() / math.sqrt(float(effective_sample_size(draws)))
             assert abs(draws.mean() - value) < 4 * mcse + 1e-3 * abs(value), (method, site, draws.mean(), value)
+
+
+
+# -- private_linear_regression (models/linear_regression.py, seed 000 S3.2) ------------------------
+
+
+def _release_shape_and_sensitivity(model, *args, **kwargs):
+    """Traced abstractly (``jax.eval_shape``): eager tracing compiles every op of the model."""
+    info = {}
+
+    def release():
+        site = trace(seed(model, 0)).get_trace(*args, **kwargs)["records_dp"]
+        info["sensitivity"] = site["infer"]["privatize"].sensitivity
+        return site["value"]
+
+    return jax.eval_shape(release).shape, info["sensitivity"]
+
+
+def test_linear_regression_refuses_data_other_than_the_built_n_and_p():
+    """The sensitivity (p+1)(p+9/4)/n is fixed at build time. Built for n = 100, the model accepted
+    n = 10 records (stated 0.1275, neighbours differing by 0.925: epsilon 7.25 times the recorded
+    one) and 3 covariates (14 entries still labelled 0.1275; the bound for p = 3 is 0.21)."""
+    from numpyro.handlers import condition
+
+    from d3pext.models.linear_regression import private_linear_regression
+
+    model = private_linear_regression(100, 1.0)
+    release = functools.partial(make_release, rng_key=0, reproducible=True)
+    with pytest.raises(ValueError, match="built for n=100 .*called with n=10"):
+        release(model, 10, records=jnp.zeros((10, 3)))
+    with pytest.raises(ValueError, match=r"p=2 covariates.*means of shape \(3,\)"):
+        release(model, 100, means=(0.0, 0.0, 0.0), records=jnp.zeros((100, 4)))
+    # records whose shape disagrees with the arguments (given or set by a handler) are refused too
+    with pytest.raises(ValueError, match=r"records have shape \(100, 4\)"):
+        release(model, 100, records=jnp.zeros((100, 4)))
+    with pytest.raises(ValueError, match=r"records have shape \(100, 4\)"):
+        _release_shape_and_sensitivity(condition(model, {"records": jnp.zeros((100, 4))}))
+    # matching calls: n defaults to the built one; p = 3 gets its own bound
+    assert _release_shape_and_sensitivity(model, records=jnp.zeros((100, 3))) == ((9,), 0.1275)
+    shape, sensitivity = _release_shape_and_sensitivity(
+        private_linear_regression(100, 1.0, p=3), 100, (0.0, 0.0, 0.0))
+    assert shape == (14,) and sensitivity == pytest.approx(0.21)

@@ -93,6 +93,33 @@ def test_trajectory_distribution_and_private_model():
     assert tr["infected_dp"]["value"].shape == (10,)
 
 
+
+def test_private_sir_refuses_times_and_population_other_than_the_built_ones():
+    """epsilon = n L / m with L = num_times, fixed at build time: with 20 observation times the
+    ledger recorded epsilon 10 while the exact worst-case log-likelihood ratio was 19.97."""
+    from numpyro.handlers import condition, seed, trace
+
+    from d3pext.accountants.ledger import PrivacyLedger
+    from d3pext.handlers import make_release
+
+    times20 = tuple(float(t) for t in range(0, 160, 8))
+    model = private_sir(1000)
+    ledger = PrivacyLedger(budget_epsilon=30.0)
+    with pytest.raises(ValueError, match="num_times=10 .*got 20"):
+        make_release(condition(model, {"infected": jnp.ones(20, jnp.int32)}), 1000, times20,
+                     ledger=ledger, rng_key=0, reproducible=True)
+    assert ledger.spent() == (0.0, 0.0)
+    with pytest.raises(ValueError, match="num_times=10 .*got 20"):  # counts set by a handler
+        trace(seed(condition(model, {"infected": jnp.ones(20, jnp.int32)}), 0)).get_trace()
+    with pytest.raises(ValueError, match="population=1000 .*called with population=2000"):
+        trace(seed(model, 0)).get_trace(2000)
+    with pytest.raises(ValueError, match="num_times"):
+        private_sir(1000, num_times=2.5)
+    # built for 20 times: the release and the ledger carry L = 20
+    model = condition(private_sir(1000, num_times=20), {"infected": jnp.ones(20, jnp.int32)})
+    release = make_release(model, 1000, times20, ledger=ledger, rng_key=0, reproducible=True)
+    assert release["infected_dp"].shape == (20,) and ledger.spent()[0] == pytest.approx(20.0)
+
 # -- ABC reference (d3pext.simulation.abc) --------------------------------------------------------------------
 
 

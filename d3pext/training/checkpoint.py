@@ -45,8 +45,10 @@ sites must be given, with data of the training shapes where the model has local 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 import tempfile
@@ -57,6 +59,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from d3pext.accountants.fourier import Relation
+from d3pext.accountants.fourier import epsilon as accountant_epsilon
 from d3pext.training.svi import PrivacyReport
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "SavedFit", "load_fit", "save_fit"]
@@ -188,7 +192,10 @@ def load_fit(path: str | os.PathLike) -> SavedFit:
     """Read a fit written by :func:`save_fit`: ``SavedFit(params, privacy, metadata)``.
 
     The file is read without unpickling (``allow_pickle=False``); a file that is not a saved fit,
-    or was written by a newer layout, raises ``ValueError``. The arrays come back as ``jax``
+    or was written by a newer layout, raises ``ValueError``, as does a privacy report with fields
+    out of range or an epsilon below the accountant's for its noise multiplier, sampling rate,
+    steps and delta (an edit that understates the privacy spent while keeping the training
+    settings). The file is not signed: whoever can write it can change the parameters too. The arrays come back as ``jax``
     arrays of their saved dtypes (64-bit ones need ``jax_enable_x64``, as anywhere in JAX).
     """
     with np.load(path, allow_pickle=False) as z:
@@ -210,9 +217,55 @@ def load_fit(path: str | os.PathLike) -> SavedFit:
     params = _decode(header["tree"], arrays, list(header["dtypes"]))
     report = header.get("privacy")
     if report is not None:
-        known = {f.name for f in dataclasses.fields(PrivacyReport)}
-        try:
-            report = PrivacyReport(**{k: v for k, v in report.items() if k in known})
-        except TypeError as e:
-            raise ValueError(f"{os.fspath(path)!r}: the saved privacy report does not fit PrivacyReport ({e}).") from None
+        report = _checked_report(report, repr(os.fspath(path)))
     return SavedFit(params, report, dict(header.get("metadata") or {}))
+
+
+def _checked_report(fields: Any, where: str) -> PrivacyReport:
+    """The saved privacy report, with its fields' types and ranges checked, and its epsilon checked
+    against the accountant's for its noise multiplier, sampling rate, steps, delta and relation."""
+    if not isinstance(fields, dict):
+        raise ValueError(f"{where}: the saved privacy report is not a record of fields.")
+    known = {f.name for f in dataclasses.fields(PrivacyReport)}
+    try:
+        report = PrivacyReport(**{k: v for k, v in fields.items() if k in known})
+    except TypeError as e:
+        raise ValueError(f"{where}: the saved privacy report does not fit PrivacyReport ({e}).") from None
+
+    def real(name: str, ok: Callable[[float], bool], what: str) -> list[str]:
+        value = getattr(report, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not ok(value):
+            return [f"{name} = {value!r} is not {what}"]
+        return []
+
+    problems = (
+        real("epsilon", lambda v: v >= 0, ">= 0")
+        + real("delta", lambda v: 0 <= v <= 1, "in [0, 1]")
+        + real("noise_multiplier", lambda v: v > 0, "> 0")
+        + real("clipping_threshold", lambda v: 0 < v < math.inf, "finite and > 0")
+        + real("sampling_rate", lambda v: 0 < v <= 1, "in (0, 1]")
+    )
+    if isinstance(report.num_steps, bool) or not isinstance(report.num_steps, int) or report.num_steps < 0:
+        problems.append(f"num_steps = {report.num_steps!r} is not a whole number >= 0")
+    if report.relation not in {r.value for r in Relation}:
+        problems.append(f"relation = {report.relation!r} is not one of {[r.value for r in Relation]}")
+    if not isinstance(report.sampler, str):
+        problems.append(f"sampler = {report.sampler!r} is not a name")
+    if problems:
+        raise ValueError(f"{where}: the saved privacy report is invalid ({'; '.join(problems)}): the file was "
+                         "damaged or edited.")
+    if report.num_steps and math.isfinite(report.epsilon) and math.isfinite(report.noise_multiplier) \
+            and 0 < report.delta < 1:
+        # the report's delta includes the sampler's and the noise's extra terms: the accountant's
+        # epsilon at it is at most the one reported
+        least = accountant_epsilon(report.noise_multiplier, report.sampling_rate, report.num_steps,
+                                   report.delta, report.relation)
+        if report.epsilon < least * (1 - 1e-4):
+            raise ValueError(
+                f"{where}: the saved privacy report says epsilon = {report.epsilon:.6g}, but "
+                f"{report.num_steps} steps at noise multiplier {report.noise_multiplier:.6g} and sampling "
+                f"rate {report.sampling_rate:.6g} ({report.relation}) cost at least {least:.6g} at delta "
+                f"{report.delta:.3g}: the file was damaged or edited. The file is not signed: keep fits "
+                "where only their curator can write."
+            )
+    return report
