@@ -4,8 +4,10 @@ NumPyro keeps its effect handlers in one process-wide stack (``numpyro.primitive
 threads that run models at the same moment see each other's handlers, and their traces mix (sites of
 one model in the other's trace, a plate's indices applied to the other's data). d3pext's entry points
 that run a model (``DPSVI``'s ``init``, ``update``, ``stable_update``, ``run`` and ``evaluate``,
-``make_release``, ``sample_releases``, ``private_posterior`` and the ``run`` of the ``MCMC`` it returns)
-hold :data:`MODEL_LOCK` while they do:
+``make_release``, ``sample_releases``, ``private_posterior`` and the ``run`` of the ``MCMC`` it returns,
+``rejection_abc``, ``smc_abc``, the ``Simulator`` (construction, ``simulate``, ``log_prior``), the
+``run`` of SPPE/SPLE and SPLE's ``sample_unconstrained``/``log_prob``) hold :data:`MODEL_LOCK` while
+they do:
 threads then take turns, each with correct results. For parallel work, use processes (a file-backed
 :class:`~d3pext.accountants.ledger.PrivacyLedger` serves several).
 """

@@ -379,3 +379,132 @@ def test_sppe_sple_match_reference(method, reference):
         assert overlap > 0.7
         # the naive posterior mean lies outside the reference 95% interval
         assert not rlo < float(naive_mean[j]) < rhi
+
+
+# -- what the simulator refuses, and what keys its shared programs ----------------------------
+
+
+_CONFIG = {"epsilon": 10.0}
+
+
+def _global_epsilon_model(n, x=None):
+    theta = numpyro.sample("theta", dist.Beta(1.0, 1.0))
+    with privatize(site="x", mechanism=LaplaceMechanism(_CONFIG["epsilon"])):
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Bernoulli(theta), obs=x)
+
+
+def test_programs_are_keyed_by_the_mechanisms():
+    # a model that reads its epsilon from a global (a sweep): the noise enters no forward run, and
+    # the second epsilon was served the first one's release points (noise sd 0.139 at scale 10)
+    from d3pext.simulation.sbi import Simulator
+
+    sims = []
+    try:
+        for eps in (10.0, 0.1, 0.1):
+            _CONFIG["epsilon"] = eps
+            sim = Simulator(_global_epsilon_model, {"x_dp": jnp.array(30.0)}, (100,))
+            _, stat = sim.simulate(random.key(0), 2000)
+            noise = sim.release_points(random.key(1), stat, 1, "mc")[:, 0] - stat
+            scale = sim.releases["x_dp"].mechanism.scale
+            np.testing.assert_allclose(float(jnp.std(noise)), np.sqrt(2) * scale, rtol=0.15)
+            sims.append(sim)
+    finally:
+        _CONFIG["epsilon"] = 10.0
+    assert sims[0].programs is not sims[1].programs and sims[1].programs is sims[2].programs
+
+
+def test_observed_sites_other_than_releases_are_refused():
+    # public data observed beside the release: every simulation held it fixed and its likelihood
+    # never entered the posterior (ABC and SPPE means 0.22, exact 0.45)
+    from d3pext.simulation.abc import rejection_abc
+    from d3pext.simulation.sbi import Simulator
+
+    def model(n, y_pub, x=None):
+        theta = numpyro.sample("theta", dist.Beta(2.0, 2.0))
+        with numpyro.plate("pub", y_pub.shape[0]):
+            numpyro.sample("y_pub", dist.Bernoulli(theta), obs=y_pub)
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Bernoulli(theta), obs=x)
+
+    private = privatize(model, site="x", mechanism=LaplaceMechanism(1.0))
+    data, y_pub = {"x_dp": jnp.array(10.0)}, jnp.array([1] * 18 + [0] * 2)
+    match = r"observes \['y_pub'\], which are not releases"
+    with pytest.raises(ValueError, match=match):
+        rejection_abc(private, data, random.key(0), 50, y_pub, num_simulations=100)
+    with pytest.raises(ValueError, match=match):
+        private_posterior(private, data, method="sppe", progress_bar=False).run(random.key(0), 50, y_pub)
+
+    def with_factor(n, x=None):
+        theta = numpyro.sample("theta", dist.Beta(2.0, 2.0))
+        numpyro.factor("penalty", -(theta**2))
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Bernoulli(theta), obs=x)
+
+    private = privatize(with_factor, site="x", mechanism=LaplaceMechanism(1.0))
+    with pytest.raises(ValueError, match="penalty"):
+        Simulator(private, data, (50,))
+
+
+def _mean_of_records(n, x=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+    with numpyro.plate("records", n):
+        numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+
+
+def test_confidential_data_passed_to_the_simulator_is_refused():
+    # with the records given, every simulation held them: each simulated statistic was the true one,
+    # ABC returned the prior and SPPE/SPLE trained on noisy copies of the true statistic
+    from d3pext.simulation.abc import rejection_abc
+    from d3pext.simulation.sbi import Simulator
+
+    private = privatize(_mean_of_records, site="x", mechanism=LaplaceMechanism(1.0),
+                        statistic="sample_mean", bounds=(-5.0, 5.0))
+    data, x = {"x_dp": jnp.array(1.05)}, jnp.ones(100)
+    match = "confidential site 'x' of release 'x_dp' is observed"
+    with pytest.raises(ValueError, match=match):
+        Simulator(private, data, (100, x))
+    with pytest.raises(ValueError, match=match):
+        rejection_abc(private, data, random.key(0), 100, x, num_simulations=100)
+    assert Simulator(private, data, (100,)).parameters == ("mu",)
+
+
+def _nuisance_model(n, x=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    theta = numpyro.sample("theta", dist.Normal(mu, 0.3))
+    with numpyro.plate("records", n):
+        numpyro.sample("x", dist.Bernoulli(logits=theta), obs=x)
+
+
+def test_parameters_must_hold_the_latent_ancestors_of_their_prior():
+    # parameters=("theta",) with theta ~ N(mu, 0.3): log_prior was p(theta | one fixed draw of mu)
+    # (-32.9 at theta = 0 against the marginal -0.96), and SMC-ABC's mean 0.31 against the exact 1.27
+    from scipy.stats import norm
+
+    from d3pext.simulation.abc import smc_abc
+    from d3pext.simulation.sbi import Simulator
+
+    private = privatize(_nuisance_model, site="x", mechanism=LaplaceMechanism(1.0))
+    data = {"x_dp": jnp.array(40.0)}
+    match = r"depends on the latent sites \['mu'\].*parameters=\('mu', 'theta'\)"
+    with pytest.raises(ValueError, match=match):
+        Simulator(private, data, (50,), parameters=("theta",))
+    with pytest.raises(ValueError, match=match):
+        smc_abc(private, data, random.key(0), 50, num_particles=10, simulations_per_generation=100,
+                parameters=("theta",))
+    # with its ancestor, the joint prior; a left-out descendant is drawn given the parameters
+    sim = Simulator(private, data, (50,), parameters=("mu", "theta"))
+    np.testing.assert_allclose(float(sim.log_prior(jnp.array([0.5, 1.0]))),
+                               norm.logpdf(0.5) + norm.logpdf(1.0, 0.5, 0.3), rtol=1e-5)
+    sim = Simulator(private, data, (50,), parameters=("mu",))
+    np.testing.assert_allclose(float(sim.log_prior(jnp.array([0.5]))), norm.logpdf(0.5), rtol=1e-5)
+
+    def after_the_data(n, x=None):  # a "parameter" drawn given the confidential records
+        with numpyro.plate("records", n):
+            x = numpyro.sample("x", dist.Normal(0.0, 1.0), obs=x)
+        numpyro.sample("s", dist.Normal(x.mean(), 1.0))
+
+    private = privatize(after_the_data, site="x", mechanism=LaplaceMechanism(1.0),
+                        statistic="sample_mean", bounds=(-5.0, 5.0))
+    with pytest.raises(ValueError, match=r"depends on \['x'.*confidential data"):
+        Simulator(private, {"x_dp": jnp.array(0.1)}, (20,))

@@ -40,6 +40,7 @@ from jax import random
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
 
+from d3pext._threads import one_model_at_a_time
 from d3pext.simulation import rqmc
 
 __all__ = ["ABCResult", "rejection_abc", "smc_abc"]
@@ -170,6 +171,7 @@ def _scale_of(scale, s, obs):
     return sc
 
 
+@one_model_at_a_time
 def rejection_abc(
     model: Callable,
     data: Mapping[str, Any],
@@ -192,7 +194,8 @@ def rejection_abc(
     :param float quantile: accepted fraction, in ``(0, 1]``; at least one draw is kept.
     :param scale: per-coordinate scale of the distance (default: median absolute deviation of
         the simulated releases, their standard deviation where that is zero, else 1).
-    :param parameters: latent sites to infer (default: all but the confidential data).
+    :param parameters: latent sites to infer (default: all but the confidential data), with every
+        latent site their prior depends on.
     :returns: :class:`ABCResult` (uniform weights).
     """
     num_simulations = _check_int("num_simulations", num_simulations)
@@ -215,6 +218,7 @@ def rejection_abc(
     )
 
 
+@one_model_at_a_time
 def smc_abc(
     model: Callable,
     data: Mapping[str, Any],

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 import hashlib
 import time
@@ -49,8 +50,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from numpyro.distributions import biject_to
 from numpyro.handlers import condition, seed, substitute, trace
+from numpyro.ops.provenance import eval_provenance
 
 from d3pext._backend import by_backend
+from d3pext._threads import one_model_at_a_time
 from d3pext.compile_cache import program_digest
 from d3pext.simulation import rqmc
 from d3pext.simulation.flows import FlowTrainer, conditional_spline_flow, require_flowjax
@@ -71,7 +74,9 @@ class Simulator:
     :param model: a privatized model (possibly conditioned on its releases).
     :param data: ``{release site: observed value}``.
     :param parameters: the latent sites to infer (default: every latent sample site that is
-        neither a confidential source of a release nor a release).
+        neither a confidential source of a release nor a release). The prior of each may depend
+        on the others only (and on the model's arguments): a latent site left out is drawn given
+        them, so it must not be an ancestor of one (:meth:`log_prior` is their marginal prior).
     :param devices: devices over which a batch of simulations (and of RQMC releases) is split,
         along a one-dimensional mesh (default: all local devices; ``devices=jax.devices()[:1]``
         keeps one). The batch is padded to a multiple of the device count and the padding
@@ -87,6 +92,7 @@ class Simulator:
     ((5, 3), (5, 9), ('beta',))
     """
 
+    @one_model_at_a_time
     def __init__(
         self,
         model: Callable,
@@ -108,7 +114,7 @@ class Simulator:
         given = {**conditioned_releases(model), **dict(data or {})}
         self.model = condition(model, data=dict(data)) if data else model
         # run forward, each release site takes its statistic: the observed releases play no part,
-        # so the compiled simulation programs depend on the model and its arguments only
+        # so the compiled simulation programs depend on the model, its arguments and mechanisms only
         self._forward = model
         box = {}
 
@@ -145,6 +151,25 @@ class Simulator:
             )
         self.releases: dict[str, ReleaseInfo] = releases
         sources = {info.source for info in releases.values()}
+        for name, info in releases.items():
+            if tr[info.source]["is_observed"]:
+                raise ValueError(
+                    f"The confidential site {info.source!r} of release {name!r} is observed; the "
+                    "analyst's model must leave it latent (pass no confidential data): the "
+                    "simulations would all hold the real records."
+                )
+        observed = [
+            n for n, s in tr.items()
+            if s["type"] == "sample" and s["is_observed"] and n not in releases
+        ]
+        if observed:
+            raise ValueError(
+                f"The model observes {observed}, which are not releases (numpyro.factor sites "
+                "included): simulation-based inference (SPPE, SPLE, ABC) conditions on the releases "
+                "only and would drop their likelihood. Use an MCMC method of private_posterior "
+                "(e.g. the default 'gibbs'), which conditions on every observed site, or leave "
+                "these sites unobserved."
+            )
         if parameters is None:
             parameters = tuple(
                 n for n, s in tr.items()
@@ -157,6 +182,8 @@ class Simulator:
         for name in parameters:
             if name not in tr or tr[name]["type"] != "sample" or name in releases or name in sources:
                 raise ValueError(f"{name!r} is not a latent parameter site of the model.")
+        _check_prior_closed(self._forward, self.model_args, self.model_kwargs, tr, values, parameters,
+                            sources | set(releases))
         self.parameters = parameters
         self.sources = sources
         self.transforms = {n: biject_to(tr[n]["fn"].support) for n in parameters}
@@ -183,7 +210,9 @@ class Simulator:
             offset += size
         self.observed = jnp.concatenate(obs)
         self.release_dim = offset
-        self.programs = _programs_of(self, (model, self.model_args, self.model_kwargs, parameters), forward)
+        # the mechanisms enter no forward run: they key the release-point programs
+        key = (model, self.model_args, self.model_kwargs, parameters, tuple(releases.items()))
+        self.programs = _programs_of(self, key, forward)
         self._simulate_prior = self.programs.simulate_prior
         self._simulate_given = self.programs.simulate_given
         self._noisy = self.programs.noisy
@@ -210,6 +239,7 @@ class Simulator:
             total = total + jnp.sum(ladj)
         return total
 
+    @one_model_at_a_time
     def log_prior(self, z: jax.Array) -> jax.Array:
         """Prior log density of the unconstrained ``z`` (one draw), Jacobian included."""
         values = {**self.constrain(z), **self._source_values}
@@ -255,6 +285,7 @@ class Simulator:
         # back on one device, so that later (unsharded) computations mix freely with it
         return jax.device_put(jax.tree.map(lambda o: o[:num], out), self.devices[0])
 
+    @one_model_at_a_time
     def simulate(self, rng_key: jax.Array, num: int, z: jax.Array | None = None):
         """``num`` forward runs: unconstrained parameters ``(num, dim)`` (drawn from the prior,
         or the given ``z``) and confidential statistics ``(num, release_dim)``, split over
@@ -296,12 +327,14 @@ class SimulationPrograms:
     of them again. ``simulate_prior`` and ``simulate_given`` run the model forward; ``noisy`` holds
     the release-point programs by ``(num_points, method)``; ``extra`` holds the estimators' own.
 
-    They are shared only where the model function, its arguments *and* its traced forward run
-    (jaxpr and constants) are the same: a model that reads a global changed between two fits is
-    traced and compiled again, not served a stale program."""
+    They are shared only where the model function, its arguments, its releases (mechanisms
+    included: their noise enters no forward run) *and* its traced forward run (jaxpr and
+    constants) are the same: a model that reads a global changed between two fits (a prior, an
+    epsilon) is traced and compiled again, not served a stale program."""
 
     def __init__(self, sim: "Simulator") -> None:
-        # the programs use only what the key fixes (the model, its arguments and the parameters)
+        # the programs use only what the key fixes (the model, its arguments, the parameters and
+        # the releases)
         self.simulate_prior = jax.jit(jax.vmap(lambda k: sim._simulate_one(k, None)))
         self.simulate_given = jax.jit(jax.vmap(sim._simulate_one))
         self.noisy: dict = {}
@@ -313,7 +346,7 @@ _MAX_PROGRAMS = 16  # models whose programs are kept (least recently used first 
 
 
 def _programs_of(sim: "Simulator", key: tuple, forward: jax.core.ClosedJaxpr) -> SimulationPrograms:
-    """The shared programs of ``key`` = (model, args, kwargs, parameters) with the forward run
+    """The shared programs of ``key`` = (model, args, kwargs, parameters, releases) with the forward run
     ``forward`` (by its :func:`~d3pext.compile_cache.program_digest`); programs of its own where an
     argument has no faithful hashable form (e.g. a large or traced array) or the run no digest."""
     digest = program_digest(forward)
@@ -350,9 +383,68 @@ def _hashable(value: Any) -> Any:
         return (type(value), tuple(_hashable(v) for v in value))
     if isinstance(value, dict):
         return (dict, tuple((_hashable(k), _hashable(v)) for k, v in value.items()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # ReleaseInfo, mechanisms
+        return (type(value), tuple((f.name, _hashable(getattr(value, f.name))) for f in dataclasses.fields(value)))
     if callable(value):
         return ("callable", value)  # a function: by identity
     raise TypeError(f"no hashable form for {type(value).__name__}")
+
+
+def _check_prior_closed(
+    model: Callable, model_args: tuple, model_kwargs: dict, tr: Mapping[str, dict],
+    values: Mapping[str, Any], parameters: tuple[str, ...], data_sites: set[str],
+) -> None:
+    """Refuse parameters whose prior depends on a sample site that is not one of them
+    (``data_sites``: the confidential sources and the releases).
+
+    The simulations draw every other site given the parameters, and :meth:`Simulator.log_prior`
+    sums the parameters' own terms: both are right exactly when the parameters' priors depend on
+    the parameters alone (the other sites then follow ``p(rest | parameters)`` by ancestral
+    sampling, and the terms multiply to the marginal ``p(parameters)``). A left-out ancestor
+    would get a draw from its prior whatever the parameters (an unlisted ``mu`` of
+    ``theta ~ N(mu, s)``). The dependences are the data flow of the traced run (NumPyro's
+    provenance tracking): they may include too much, never too little."""
+    names = [n for n, s in tr.items() if s["type"] == "sample"]
+    last = max(names.index(p) for p in parameters)
+    if set(names[:last]) <= set(parameters):
+        return  # only parameters come before them: no other site can be an ancestor
+
+    def priors(**sampled):
+        run = trace(seed(substitute(model, data=sampled), random.key(0))).get_trace(*model_args, **model_kwargs)
+        return {n: [leaf for leaf in jax.tree.leaves(run[n]["fn"]) if isinstance(leaf, jax.Array)]
+                for n in names[: last + 1]}
+
+    try:
+        flows = eval_provenance(priors, **{n: values[n] for n in names})
+    except Exception as e:
+        raise ValueError(
+            f"Could not trace on which sites the priors of parameters={parameters} depend ({e}); "
+            f"sites {sorted(set(names[:last]) - set(parameters))} come before them. Sample the "
+            "parameters first in the model, or name every latent site they depend on as a parameter."
+        ) from e
+    deps = {n: frozenset().union(*flows[n]) - {n} for n in flows}
+    ancestors, todo = set(), list(parameters)
+    while todo:
+        for u in deps.get(todo.pop(), ()):
+            if u not in ancestors:
+                ancestors.add(u)
+                todo.append(u)
+    outside = [n for n in names if n in ancestors and n not in parameters]
+    if not outside:
+        return
+    blocked = [n for n in outside if n in data_sites]
+    if blocked:
+        raise ValueError(
+            f"The prior of parameters={parameters} depends on {blocked}, the confidential data or a "
+            "release: simulation-based inference needs parameters whose prior comes before the data."
+        )
+    suggested = tuple(n for n in names if n in parameters or n in outside)
+    raise ValueError(
+        f"The prior of parameters={parameters} depends on the latent sites {outside}, which are not "
+        "parameters: the simulations would draw them from their prior whatever the parameters, and "
+        "log_prior would not be the parameters' marginal prior. Infer them too "
+        f"(parameters={suggested}) and ignore their draws."
+    )
 
 
 def _statistic_of(msg: dict):
@@ -406,7 +498,8 @@ class SequentialEstimator:
     :param float validation_fraction: share of each round's simulations held out (5%).
     :param dict flow_kwargs: arguments of :func:`~d3pext.simulation.flows.conditional_spline_flow`.
     :param learning_rate, weight_decay, batch_size, patience, max_epochs: training (paper S3).
-    :param parameters: latent sites to infer (default: all but the confidential data).
+    :param parameters: latent sites to infer (default: all but the confidential data), with every
+        latent site their prior depends on.
     :param bool progress_bar: bars over rounds and epochs.
     :param devices: devices over which each round's simulations and RQMC releases are split
         (default: all local devices; ``jax.devices()[:1]`` for one); same results for the same key.
@@ -477,6 +570,7 @@ class SequentialEstimator:
         self._last_parameters: jax.Array | None = None  # of the last round's simulations
 
     # subclasses: _make_flow, _losses, _propose, _round_summary
+    @one_model_at_a_time
     def run(self, rng_key: jax.Array, *model_args: Any, **model_kwargs: Any) -> "SequentialEstimator":
         """Run the ``R`` rounds of simulation and training; returns ``self``."""
         self.simulator = sim = Simulator(self.model, self.data, model_args, model_kwargs,
@@ -810,6 +904,7 @@ class SPLE(SequentialEstimator):
     def _propose(self, key, num):
         return self._draw(key, num, 10, min(self.num_warmup, 200))
 
+    @one_model_at_a_time  # NUTS on the model's prior
     def sample_unconstrained(self, rng_key, num_samples):
         self._check_run()
         return self._draw(rng_key, num_samples, self.num_chains, self.num_warmup)
@@ -825,6 +920,7 @@ class SPLE(SequentialEstimator):
         zs = (z - sc.theta_mean) / sc.theta_std
         return _jitted("log_prob")(self.flow, ss, zs) - jnp.sum(jnp.log(sc.s_std))
 
+    @one_model_at_a_time
     def log_prob(self, params: Mapping[str, Any]) -> jax.Array:
         """Unnormalized log posterior ``log p(theta) + log q(s_obs | theta)`` (constrained space)."""
         z = self._unconstrain_batch(params)
