@@ -30,7 +30,7 @@ from numpyro.util import is_prng_key
 from d3pext._threads import one_model_at_a_time
 from d3pext.inference.mcmc import CachedMCMC
 from d3pext.inference.registry import BUILTIN_BACKENDS, Backend, backends, method_kind, select_backend
-from d3pext.inference.structure import RELEASES_KWARG, inspect_model
+from d3pext.inference.structure import RELEASES_KWARG, inspect_model, model_fingerprint
 
 __all__ = ["PrivatePosterior", "ReleaseState", "private_posterior", "sample_releases"]
 
@@ -358,24 +358,33 @@ def _release_sampler(
     ``jax.shard_map`` (padded to a multiple of the device count, the padding dropped): each device
     runs its chains alone, with no communication.
 
-    Cached (LRU) on the model object and the static arguments, so that calling
-    :func:`sample_releases` again with other releases or keys (same ``M`` and number of chains)
-    neither traces nor compiles again: compiling a sweep costs seconds, running one for a
-    thousand chains well under a millisecond.
+    Cached (LRU) on the model object, the fingerprint of its traced run and the static arguments,
+    so that calling :func:`sample_releases` again with other releases or keys (same ``M`` and
+    number of chains) only traces the model (milliseconds) and compiles nothing: compiling a sweep
+    costs seconds, running one for a thousand chains well under a millisecond. The fingerprint
+    (:func:`~d3pext.inference.structure.model_fingerprint`) tells apart runs of one model object
+    whose globals changed (another mechanism or epsilon, say); a model whose run has none (host
+    callbacks), or a user's backend, is built afresh on every call.
     """
-    try:
-        cache_key = (
-            model, names, method, sections, model_args, tuple(sorted(model_kwargs.items())),
-            num_warmup, num_samples, devices,
-        )
-        hash(cache_key)
-    except TypeError:  # unhashable model arguments (arrays): build without caching
-        cache_key = None
+    cache_key = None
+    fingerprint = model_fingerprint(model, first_release, model_args, model_kwargs)
+    if fingerprint is not None:
+        try:
+            cache_key = (
+                model, fingerprint, names, method, backends(method), sections, model_args,
+                tuple(sorted(model_kwargs.items())), num_warmup, num_samples, devices,
+                bool(jax.config.jax_enable_x64),
+            )
+            hash(cache_key)
+        except TypeError:  # unhashable model arguments (arrays): build without caching
+            cache_key = None
     if cache_key is not None and cache_key in _SAMPLER_CACHE:
         _SAMPLER_CACHE.move_to_end(cache_key)
         return _SAMPLER_CACHE[cache_key]
     kernel = PrivatePosterior(model, first_release, method, sections=sections)
     inner = kernel.prepare(model_args, model_kwargs)
+    if kernel.backend not in BUILTIN_BACKENDS or kernel._fingerprint != fingerprint:
+        cache_key = None  # a user's backend may keep the first release's values
 
     def run_chain(key, *release):
         kwargs = {**model_kwargs, RELEASES_KWARG: dict(zip(names, release))}

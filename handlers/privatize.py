@@ -33,7 +33,7 @@ from d3pext._threads import one_model_at_a_time
 from d3pext.distributions.expfam import family_of, record_distribution
 from d3pext.prng import secure_key
 from d3pext.releases.counts import check_counts
-from d3pext.releases.info import CONFIDENTIAL, ReleaseInfo, release_sites
+from d3pext.releases.info import CONFIDENTIAL, ReleaseInfo, release_sites, remember_release
 from d3pext.releases.mechanisms import warn_reproducible
 from d3pext.validation import check_finite
 
@@ -501,4 +501,5 @@ def make_release(
     for i, (name, info) in enumerate(infos.items()):
         key = None if rng_key is None else jax.random.fold_in(model_key, i)
         releases[name] = info.mechanism.release(key, statistics[name], reproducible=True)
+        remember_release(releases[name], info)  # an analysis under other settings is refused
     return releases

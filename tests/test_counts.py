@@ -11,7 +11,7 @@ import scipy.stats as st
 
 from d3pext.inference.counts import CountGibbs, CountGibbsState, sample_true_counts
 from d3pext.releases.counts import HeterogeneousGeometricMechanism, limited_precision_mechanism
-from d3pext.handlers.privatize import privatize_counts
+from d3pext.handlers.privatize import privatize, privatize_counts
 from d3pext.distributions import GeometricNoisedPoisson
 from d3pext.handlers import make_release, private_posterior, sample_releases
 from d3pext.inference.structure import RELEASES_KWARG
@@ -402,6 +402,36 @@ def test_conjugate_rate_update_detected():
 
     private = privatize_counts(shared, site="y", mechanism=GeometricMechanism.from_alpha(CONJ_ALPHA))
     assert type(PrivatePosterior(private, data, "gibbs").prepare(args)).__name__ == "Gibbs"
+
+
+def test_conjugate_rate_update_needs_the_rate_itself():
+    # min(rate, 50) equals the rate where the model is traced (the rate starts below 8), but is
+    # another likelihood: Gamma(a + sum y, b + n) is not its full conditional
+    data, args = {"y_dp": CONJ_RELEASE}, (CONJ_RELEASE.size,)
+    capped = PrivatePosterior(_conj_private(lambda r: jnp.minimum(r, 50.0)), data, "gibbs").prepare(args)
+    assert type(capped).__name__ == "Gibbs"  # NUTS keeps the rate
+    assert isinstance(capped.blocks[0][0], CountGibbs) and capped.blocks[0][0].blocks[0].conjugate == ()
+
+
+@pytest.mark.parametrize("bounds_method", ["clamp", "truncate"])
+@pytest.mark.parametrize("method", ["gibbs", "naive"])
+def test_bounded_count_releases_are_refused(bounds_method, method):
+    # the augmentation takes a release as count + noise; counts clamped into (or dropped outside)
+    # the bounds are another release: 200 Poisson(20) counts clamped at 10 gave a rate of 10.2 +- 0.5
+    import numpyro
+    import numpyro.distributions as dist
+
+    def model(n, counts=None):
+        rate = numpyro.sample("rate", dist.Gamma(1.0, 0.05))
+        with numpyro.plate("cells", n):
+            numpyro.sample("y", dist.Poisson(rate), obs=counts)
+
+    mechanism = GeometricMechanism(2.0, sensitivity=None)
+    private = privatize(model, site="y", mechanism=mechanism, statistic="records", bounds=(0.0, 10.0),
+                        bounds_method=bounds_method)
+    with pytest.raises(ValueError, match=r"schein-bessel|truncated-counts") as err:
+        PrivatePosterior(private, {"y_dp": jnp.array([3, 12, -1, 10])}, method).prepare((4,))
+    assert "bounds=(0.0, 10.0)" in str(err.value) and "does not model" in str(err.value)
 
 
 def test_the_confidential_counts_are_not_drawn_before_the_run():

@@ -239,3 +239,54 @@ def test_truncated_normal_beyond_the_floats_is_the_exponential_within_its_bound(
     excess, reference_excess = np.sort(-15.0 - x), np.sort(-15.0 - reference)  # distance below b
     assert np.max(np.abs(excess - reference_excess)) < 0.01
     assert abs(np.median(excess) / np.median(reference_excess) - 1) < 2 / 15**2  # 0.59%: 1.3 / b^2
+
+
+def _beta_bernoulli_kernel(probs, extra=None):
+    """The Bernstein & Sheldon kernel of a Beta prior on theta and Bernoulli(probs(theta)) records."""
+    import numpyro
+
+    from d3pext.handlers import privatize
+    from d3pext.handlers.posterior import PrivatePosterior
+    from d3pext.releases.mechanisms import LaplaceMechanism
+
+    def model(n, x=None):
+        theta = numpyro.sample("theta", dist.Beta(1.0, 1.0))
+        if extra is not None:
+            extra(theta)
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Bernoulli(probs(theta)), obs=x)
+
+    private = privatize(model, site="x", mechanism=LaplaceMechanism(1.0))
+    return PrivatePosterior(private, {"x_dp": jnp.asarray(990.0)}).prepare((1000,))
+
+
+def _conjugate_params(kernel):
+    from d3pext.inference.expfam_gibbs import ExpFamGibbs
+
+    gibbs = kernel if isinstance(kernel, ExpFamGibbs) else kernel.blocks[0][0]
+    assert isinstance(gibbs, ExpFamGibbs)
+    return [p for block in gibbs.blocks for p in block.params]
+
+
+def test_conjugate_update_needs_the_latent_site_itself():
+    import numpyro
+
+    assert _conjugate_params(_beta_bernoulli_kernel(lambda t: t)) == [("theta", "probs")]
+    # min(theta, 0.95) equals theta where the model is traced (theta in (0.12, 0.88)): the
+    # Beta-Bernoulli update was taken, 3x too narrow (sd 0.005 against 0.015) for a release of 990
+    assert _conjugate_params(_beta_bernoulli_kernel(lambda t: jnp.minimum(t, 0.95))) == []
+
+    # theta in another factor: the conjugate update given the records alone would drop it (with
+    # z = 900 of 1000 the posterior mean was 0.50, not 0.88)
+    def binomial(theta):
+        numpyro.sample("z", dist.Binomial(1000, theta), obs=900)
+
+    def factor(theta):
+        numpyro.factor("f", -10.0 * theta**2)
+
+    def derived(theta):  # a deterministic site is no factor: the update stays
+        numpyro.deterministic("odds", theta / (1 - theta))
+
+    assert _conjugate_params(_beta_bernoulli_kernel(lambda t: t, binomial)) == []
+    assert _conjugate_params(_beta_bernoulli_kernel(lambda t: t, factor)) == []
+    assert _conjugate_params(_beta_bernoulli_kernel(lambda t: t, derived)) == [("theta", "probs")]

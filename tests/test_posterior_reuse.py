@@ -13,15 +13,16 @@ import numpyro.distributions as dist
 
 import d3pext.handlers.posterior as posterior
 import d3pext.inference.mcmc as cached_mcmc
-from d3pext.handlers import private_posterior
+from d3pext.handlers import private_posterior, sample_releases
 from d3pext.handlers.privatize import privatize, privatize_counts
 from d3pext.inference.bounded import FlatPrior
 from d3pext.inference.expfam_backend import bernstein_sheldon_kernel
 from d3pext.inference.registry import register_backend, unregister_backend
+from d3pext.inference.structure import inspect_model
 from d3pext.models import private_bounded_gaussian, private_constrained_regression
 from d3pext.models.expfam import beta_binomial_model, private_beta_binomial
 from d3pext.releases.counts import GeometricMechanism
-from d3pext.releases.mechanisms import LaplaceMechanism
+from d3pext.releases.mechanisms import GaussianMechanism, LaplaceMechanism
 
 from compilations import count_compilations
 
@@ -94,6 +95,75 @@ def test_a_model_whose_global_changed_gets_its_own_sampler():
         PRIOR["concentration1"] = 2.0
     jax.tree.map(np.testing.assert_array_equal, changed, cold)
     assert changed["theta"].mean() > 0.7  # the prior Beta(40, 3) pulls theta up
+
+
+def _exponential_fingerprint(prior, mechanism, infer=None):
+    def model(n, x=None):
+        lam = numpyro.sample("lam", prior, infer=infer or {})
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Exponential(lam), obs=x)
+
+    private = privatize(model, site="x", mechanism=mechanism, bounds=(0.0, 5.0))
+    return inspect_model(private, {"x_dp": jnp.asarray(30.0)}, (20,), {}).fingerprint
+
+
+def test_the_fingerprint_covers_the_distributions_and_the_static_metadata():
+    # each pair traces to one program (one jaxpr): the distributions built (the output tree) and the
+    # static metadata of the sites (mechanism, infer entries) are what tell them apart
+    laplace = LaplaceMechanism(0.2, sensitivity=5.0)  # scale 25
+    gaussian = GaussianMechanism.from_sigma(25.0, 5.0, 1e-5)
+    base = _exponential_fingerprint(dist.HalfNormal(1.0), laplace)
+    assert base is not None and base == _exponential_fingerprint(dist.HalfNormal(1.0), laplace)
+    others = [
+        _exponential_fingerprint(dist.HalfNormal(1.0), gaussian),
+        _exponential_fingerprint(dist.HalfCauchy(1.0), laplace),
+        _exponential_fingerprint(dist.HalfNormal(1.0), laplace, {"declared": 1}),
+        _exponential_fingerprint(dist.HalfNormal(1.0), laplace, {"declared": 2}),
+    ]
+    assert len({base, *others}) == 5
+
+
+MECHANISM = {"noise": LaplaceMechanism(1.0 / 30.0, sensitivity=1.0)}
+
+
+def _global_mechanism_model(n, x=None):
+    with privatize(site="x", mechanism=MECHANISM["noise"]):
+        beta_binomial_model(n, x, concentration1=2.0, concentration0=3.0)
+
+
+def test_a_model_whose_global_mechanism_changed_gets_its_own_kernel():
+    # Laplace noise of scale 30, then normal noise of sd 30: one program, other distributions and
+    # release metadata; the Laplace kernel (with its mixing variances) must not analyse the release
+    release = {"x_dp": jnp.asarray(500.0)}
+    kwargs = dict(num_warmup=20, num_samples=20)
+    _forget_shared()
+    try:
+        first, _ = _draws(_global_mechanism_model, release, (1000,), 0, **kwargs)
+        MECHANISM["noise"] = GaussianMechanism.from_sigma(30.0, 1.0, 1e-5)
+        mcmc, changed = _draws(_global_mechanism_model, release, (1000,), 1, **kwargs)
+        assert mcmc.sampler.inner is not first.sampler.inner
+        _forget_shared()
+        _, cold = _draws(_global_mechanism_model, release, (1000,), 1, **kwargs)
+    finally:
+        MECHANISM["noise"] = LaplaceMechanism(1.0 / 30.0, sensitivity=1.0)
+    assert sorted(changed) == ["theta", "x_dp_stat"]  # no Laplace mixing variances
+    jax.tree.map(np.testing.assert_array_equal, changed, cold)
+
+
+def test_sample_releases_of_a_model_whose_global_changed_gets_its_own_sampler():
+    # epsilon 1, then 0.05: the sampler compiled for epsilon 1 must not run the second call
+    release = {"x_dp": jnp.array([500.0])}
+    kwargs = dict(num_warmup=20, num_samples=30, num_chains=2)
+    posterior._SAMPLER_CACHE.clear()
+    try:
+        sample_releases(_global_mechanism_model, release, jax.random.key(0), 1000, **kwargs)
+        MECHANISM["noise"] = LaplaceMechanism(0.05)
+        changed = sample_releases(_global_mechanism_model, release, jax.random.key(1), 1000, **kwargs)
+        posterior._SAMPLER_CACHE.clear()
+        cold = sample_releases(_global_mechanism_model, release, jax.random.key(1), 1000, **kwargs)
+    finally:
+        MECHANISM["noise"] = LaplaceMechanism(1.0 / 30.0, sensitivity=1.0)
+    jax.tree.map(np.testing.assert_array_equal, changed, cold)
 
 
 def test_user_backends_are_not_shared():

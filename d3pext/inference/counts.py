@@ -503,11 +503,12 @@ def _conjugate_gamma_draw(rng_key: Array, prior: dist.Distribution, counts: Arra
 
 def poisson_gamma_sites(pm: PrivateModel, source: str, candidates: Sequence[str]) -> tuple[str, ...]:
     """The sites among ``candidates`` that :class:`CountGibbs` can update conjugately given the
-    counts of ``source``: ``Gamma`` sites (unmasked, under expand/to_event at most) whose value,
-    broadcast, *is* the rate of the (unmasked) Poisson counts of ``source`` and is a parameter of
-    no other site of the model (read from the concrete trace of ``pm``: the checks compare values,
-    so a rate passed on through an arithmetic function, e.g. ``2 * rate``, is not recognised and
-    keeps NUTS). Then the rate's full conditional given the counts ``y_1..y_n`` is
+    counts of ``source``: ``Gamma`` sites (unmasked, under expand/to_event at most) whose value
+    *is* the rate of the (unmasked) Poisson counts of ``source`` (the same traced value, no
+    operation between: :attr:`~d3pext.inference.structure.PrivateModel.parameter_sites`; a rate
+    passed on through a function, e.g. ``2 * rate`` or ``jnp.minimum(rate, 50.0)``, keeps NUTS)
+    and is a parameter of no other site of the model (compared by value in the concrete trace of
+    ``pm``). Then the rate's full conditional given the counts ``y_1..y_n`` is
     ``Gamma(a + sum y, b + n)``; otherwise (no such site) NUTS keeps it.
     """
     site = pm.sites[source]
@@ -517,7 +518,6 @@ def poisson_gamma_sites(pm: PrivateModel, source: str, candidates: Sequence[str]
     if not isinstance(fn, dist.Poisson) or type(fn) is not dist.Poisson:
         return ()
     count_shape = np.shape(site.value)
-    poisson_rate = np.broadcast_to(np.asarray(fn.rate), count_shape)
     found = []
     for name in candidates:
         cand = pm.sites[name]
@@ -529,7 +529,7 @@ def poisson_gamma_sites(pm: PrivateModel, source: str, candidates: Sequence[str]
                 continue
         except ValueError:
             continue
-        if not np.array_equal(np.broadcast_to(value, count_shape), poisson_rate):
+        if pm.parameter_sites.get(f"{source}:rate") != name:
             continue
         # the rate must enter no other factor: no other site has it as a parameter
         used = False
@@ -598,6 +598,15 @@ def _count_blocks(pm: PrivateModel, naive: bool) -> list[CountBlock]:
         mech = info.mechanism
         if getattr(mech, "kind", None) != "geometric" or not hasattr(mech, "log_alpha"):
             raise NotApplicable(f"release {name!r}: the count augmentation needs geometric noise.")
+        if info.bounds is not None:
+            # the augmentation's likelihood is that of count + noise: a count clamped into the
+            # bounds, or dropped (zero) outside them, is another release, which it would misread
+            raise NotApplicable(
+                f"release {name!r}: the counts were released with bounds={info.bounds} "
+                f"(bounds_method={info.bounds_method!r}), which the count augmentation does not "
+                "model (it takes the release as count + noise). Release the counts without bounds "
+                "(privatize_counts), or use a simulation-based method (method='sppe' or 'sple')."
+            )
         site = pm.sites[info.source]
         shape = jnp.shape(site.value)
         _poisson(site.fn)

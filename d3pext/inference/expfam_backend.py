@@ -20,8 +20,6 @@ from collections.abc import Callable, Mapping
 import math
 from typing import Any
 
-import numpy as np
-
 import jax.numpy as jnp
 
 import numpyro
@@ -229,22 +227,21 @@ def _conjugate_sites(
 ) -> tuple[tuple[str, str], ...]:
     """Latent sites that are exactly a parameter of ``record`` and have a conjugate prior.
 
-    Identity is detected by value: the latent sites were drawn at random, so a record parameter
-    equal to a site's value is that site (a transformed site, e.g. ``1 - theta``, is not).
+    Identity is structural (:attr:`~d3pext.inference.structure.PrivateModel.parameter_sites`):
+    the parameter is the site's traced value, with no operation between, and the site enters no
+    other factor of the model. A transformed site (``1 - theta``, ``jnp.minimum(theta, 0.95)``), or
+    one that other sites depend on, is left to NUTS.
     """
     pairs = []
     for param in conjugate_parameters(record):
-        value = np.asarray(pm.values[f"{info.source}:{param}"])
-        for name in pm.latent:
-            if name in exclude or name == info.source:
-                continue
-            site_value = np.asarray(pm.values[name])
-            if (
-                site_value.shape == value.shape
-                and np.array_equal(site_value, value)
-                and find_conjugate(record, param, pm.sites[name].fn) is not None
-            ):
-                pairs.append((name, param))
+        name = pm.parameter_sites.get(f"{info.source}:{param}")
+        if (
+            name is not None
+            and name not in exclude
+            and name != info.source
+            and find_conjugate(record, param, pm.sites[name].fn) is not None
+        ):
+            pairs.append((name, param))
     return tuple(pairs)
 
 

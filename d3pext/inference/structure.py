@@ -9,21 +9,26 @@ each release), never a trace of tracers. Backends build their kernels from it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
+import hashlib
 from typing import Any
+
+import numpy as np
 
 import jax
 from jax import random
 import jax.numpy as jnp
 
+from numpyro.distributions.distribution import ExpandedDistribution, Independent, MaskedDistribution
 from numpyro.handlers import condition, seed, substitute, trace
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.primitives import CondIndepStackFrame
 
 from d3pext.compile_cache import program_digest
 from d3pext.distributions.expfam import conjugate_parameters, record_distribution
-from d3pext.releases.info import CONFIDENTIAL, ReleaseInfo, release_sites
+from d3pext.releases.info import CONFIDENTIAL, ReleaseInfo, check_made_as_analysed, release_sites
 
 __all__ = [
     "RELEASES_KWARG",
@@ -33,6 +38,7 @@ __all__ = [
     "conditioned_releases",
     "init_to_uniform_but_confidential",
     "inspect_model",
+    "model_fingerprint",
     "released",
 ]
 
@@ -71,10 +77,16 @@ class PrivateModel:
     :param releases: the release sites' :class:`~d3pext.releases.info.ReleaseInfo`.
     :param values: concrete values of the latent sites (drawn uniformly in the unconstrained
         space, fixed key) and of the record parameters, keyed ``"source:parameter"``.
-    :param fingerprint: :func:`~d3pext.compile_cache.program_digest` of the traced model run, the
-        release values its arguments: equal for every release of the same shapes, and different
-        wherever the model computes something else (a global it reads changed, say); ``None`` where
-        the run cannot be told apart that way.
+    :param fingerprint: digest of the traced model run (:func:`model_fingerprint`), the release
+        values its arguments: equal for every release of the same shapes, and different wherever
+        the model computes something else, builds other distributions or declares other static
+        metadata (a global it reads changed, say); ``None`` where the run cannot be told apart
+        that way.
+    :param parameter_sites: ``{"source:parameter": latent site}`` for the parameters of the
+        release sources' distributions (masks, plate expansions and ``to_event`` removed) that
+        *are* the value of a latent site: the same traced value, no operation between (so
+        ``dist.Bernoulli(theta)`` names ``theta``, ``dist.Bernoulli(jnp.minimum(theta, 0.95))``
+        does not). Conjugate updates rely on it.
     """
 
     model: Callable
@@ -82,6 +94,7 @@ class PrivateModel:
     releases: Mapping[str, ReleaseInfo]
     values: Mapping[str, Any]
     fingerprint: str | None = None
+    parameter_sites: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def latent(self) -> tuple[str, ...]:
@@ -146,16 +159,17 @@ def init_to_uniform_but_confidential(msg: dict) -> jax.Array | None:
     return init_to_uniform(msg)
 
 
-def inspect_model(
-    model: Callable, data: Mapping[str, Any] | None, model_args: tuple, model_kwargs: dict
-) -> PrivateModel:
-    """Trace the privatized ``model`` conditioned on ``data`` and check the conditioning.
+def _base_distribution(fn: Any) -> Any:
+    while isinstance(fn, (MaskedDistribution, ExpandedDistribution, Independent)):
+        fn = fn.base_dist
+    return fn
 
-    The trace runs once under ``jit`` (cheap to compile, no eager dispatch). Its distributions
-    and values come out of ``jit`` as concrete arrays; plates, observation flags and the static
-    ``infer`` entries are read during tracing. Nothing traced escapes.
-    """
-    data = dict(data or {})
+
+def _traced_run(
+    model: Callable, data: Mapping[str, Any], model_args: tuple, model_kwargs: dict
+) -> tuple[Callable, Callable, Any, dict]:
+    """The conditioned ``model``, its jitted run (sites' distributions and values), the run's trace
+    (``jax.jit(...).trace``: nothing compiled) and the static metadata read while tracing."""
     conditioned_model = released(model)
     static = {}
 
@@ -175,7 +189,15 @@ def inspect_model(
             for name, site in samples.items()
         }
         values = {name: site["value"] for name, site in samples.items() if not site["is_observed"]}
+        latent = dict(values)
+        candidates = {}
         for info in release_sites(tr).values():
+            base = _base_distribution(tr[info.source]["fn"])
+            for param in getattr(base, "arg_constraints", {}):
+                value = base.__dict__.get(param)
+                owner = _sole_parameter_site(samples, latent, info.source, value)
+                if owner is not None:
+                    candidates[f"{info.source}:{param}"] = owner
             try:
                 record = record_distribution(tr[info.source]["fn"])
             except ValueError:
@@ -183,12 +205,162 @@ def inspect_model(
             for param in conjugate_parameters(record):
                 values[f"{info.source}:{param}"] = getattr(record, param)
         fns = {name: (site["fn"], site["value"]) for name, site in samples.items()}
+        leaves = jax.tree.leaves((fns, values))
+        static["candidates"] = {
+            key: (name, next(i for i, leaf in enumerate(leaves) if leaf is values[name]))
+            for key, name in candidates.items()
+        }
         return fns, values
 
     # the release values are arguments, not constants: the traced program, and its digest, are those
     # of every release of the same shapes
     program = jax.jit(run)
-    fingerprint = program_digest(program.trace(data).jaxpr)
+    traced = program.trace(dict(data))
+    # a candidate's value must feed no operation of the run either (a factor, another site's
+    # parameter computed from it): then the record distribution is its only likelihood. Dead
+    # operations do not count (numpyro's argument validation, whose result is dropped under jit).
+    jaxpr = traced.jaxpr.jaxpr
+    live = {id(v) for v in jaxpr.outvars}
+    consumed = {id(v) for v in jaxpr.invars}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(id(v) in live for v in eqn.outvars):
+            live.update(id(v) for v in eqn.invars)
+            consumed.update(id(v) for v in eqn.invars)
+    static["parameter_sites"] = {
+        key: name
+        for key, (name, position) in static["candidates"].items()
+        if id(jaxpr.outvars[position]) not in consumed
+    }
+    return conditioned_model, program, traced, static
+
+
+def _sole_parameter_site(
+    samples: Mapping[str, dict], latent: Mapping[str, Any], source: str, value: Any
+) -> str | None:
+    """The latent site whose traced value *is* ``value`` (a parameter of ``source``'s records)
+    and that appears in no other site, as a parameter or a value: identity, not equality of values
+    at one draw (``jnp.minimum(theta, 0.95)`` may equal ``theta`` there and differ elsewhere)."""
+    if not isinstance(value, jax.Array):
+        return None
+    owners = [name for name, v in latent.items() if v is value and name != source]
+    if len(owners) != 1:
+        return None
+    uses = sum(
+        leaf is value
+        for name, site in samples.items()
+        if name != owners[0]
+        for leaf in jax.tree.leaves((site["fn"], site["value"]))
+    )
+    return owners[0] if uses == 1 else None
+
+
+def _qualified_name(cls: type) -> str | None:
+    """``module.qualname`` of a class; ``None`` for a class defined in a function (two such classes
+    may share the name and differ in what they compute)."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    return None if "<locals>" in name else name
+
+
+def _static_digest(value: Any, digest: Any) -> bool:
+    """Feed ``value`` (static metadata: plain values, arrays, classes, dataclasses, tuples, lists,
+    dicts) to ``digest``; ``False`` where it holds something else (a function, an object of another
+    kind, a tracer), whose printed form may not tell two of them apart."""
+
+    def put(*parts: Any) -> None:
+        for part in parts:
+            digest.update(str(part).encode())
+            digest.update(b"\0")
+
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        put(type(value).__name__, repr(value))
+        return True
+    if isinstance(value, type):
+        name = _qualified_name(value)
+        put("class", name)
+        return name is not None
+    if isinstance(value, jax.core.Tracer):
+        return False
+    if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+        array = np.asarray(value)
+        if array.dtype == object:
+            return False
+        put("array", array.dtype, array.shape)
+        digest.update(np.ascontiguousarray(array).tobytes())
+        return True
+    name = _qualified_name(type(value))
+    if name is None:
+        return False
+    if dataclasses.is_dataclass(value):
+        put("dataclass", name)
+        for f in dataclasses.fields(value):
+            put(f.name)
+            if not _static_digest(getattr(value, f.name), digest):
+                return False
+        return True
+    if isinstance(value, (tuple, list)):  # named tuples (plate frames) included
+        put(name, len(value))
+        return all(_static_digest(item, digest) for item in value)
+    if isinstance(value, Mapping):  # in order: equal mappings in another order only miss a cache
+        put(name, len(value))
+        return all(_static_digest(k, digest) and _static_digest(v, digest) for k, v in value.items())
+    return False
+
+
+def _tree_digest(treedef: Any, digest: Any) -> bool:
+    """Feed a pytree structure (classes and auxiliary data of every node) to ``digest``."""
+    node = treedef.node_data()
+    if node is None:
+        digest.update(b"*")
+        return True
+    cls, aux = node
+    digest.update(b"(")
+    if not (_static_digest(cls, digest) and _static_digest(aux, digest)):
+        return False
+    if not all(_tree_digest(child, digest) for child in treedef.children()):
+        return False
+    digest.update(b")")
+    return True
+
+
+def _fingerprint(traced: Any, static: dict) -> str | None:
+    """Digest of the traced run: its program (:func:`~d3pext.compile_cache.program_digest`), the
+    distributions it builds (the output tree: a Laplace and a normal of the same parameters trace
+    to one program) and its static metadata (release metadata, mechanisms, ``infer`` entries,
+    plates), which reach the backends without being computed."""
+    program = program_digest(traced.jaxpr)
+    if program is None:
+        return None
+    digest = hashlib.sha256(program.encode())
+    if not _tree_digest(traced.out_tree, digest):
+        return None
+    if not _static_digest((static["sites"], static["parameter_sites"]), digest):
+        return None
+    return digest.hexdigest()
+
+
+def model_fingerprint(
+    model: Callable, data: Mapping[str, Any] | None, model_args: tuple, model_kwargs: dict
+) -> str | None:
+    """:attr:`PrivateModel.fingerprint` of ``model`` conditioned on ``data``, from a trace alone
+    (nothing compiled or run): caches of compiled samplers key on it, so that a model whose
+    global changed is not given the sampler built for the old one."""
+    _, _, traced, static = _traced_run(model, dict(data or {}), model_args, dict(model_kwargs))
+    return _fingerprint(traced, static)
+
+
+def inspect_model(
+    model: Callable, data: Mapping[str, Any] | None, model_args: tuple, model_kwargs: dict
+) -> PrivateModel:
+    """Trace the privatized ``model`` conditioned on ``data`` and check the conditioning.
+
+    The trace runs once under ``jit`` (cheap to compile, no eager dispatch). Its distributions
+    and values come out of ``jit`` as concrete arrays; plates, observation flags, the static
+    ``infer`` entries and which record parameters are latent sites are read during tracing.
+    Nothing traced escapes.
+    """
+    data = dict(data or {})
+    conditioned_model, program, traced, static = _traced_run(model, data, model_args, model_kwargs)
+    fingerprint = _fingerprint(traced, static)
     found = program(data)
     if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(found)):
         # under an outer trace (chain_method="parallel" initialises kernels inside pmap): the model
@@ -225,4 +397,9 @@ def inspect_model(
                 f"The confidential site {info.source!r} of release {name!r} is observed; the "
                 "analyst's model must leave it latent (pass no confidential data)."
             )
-    return PrivateModel(conditioned_model, sites, releases, values, fingerprint)
+    for name, value in given.items():
+        if name in releases:
+            check_made_as_analysed(name, value, releases[name])
+    return PrivateModel(
+        conditioned_model, sites, releases, values, fingerprint, dict(static["parameter_sites"])
+    )

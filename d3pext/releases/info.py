@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+import threading
 from typing import Any
+import weakref
+
+import numpy as np
 
 from numpyro.primitives import CondIndepStackFrame
 
-__all__ = ["CONFIDENTIAL", "ReleaseInfo", "release_sites"]
+__all__ = ["CONFIDENTIAL", "ReleaseInfo", "check_made_as_analysed", "remember_release", "release_sites"]
 
 
 CONFIDENTIAL = "d3pext_confidential"
@@ -63,3 +67,81 @@ def release_sites(model_trace: Mapping[str, dict]) -> dict[str, ReleaseInfo]:
         for name, site in model_trace.items()
         if site["type"] == "sample" and "privatize" in site.get("infer", {})
     }
+
+
+# --- releases made in this process, so that an analysis under other settings is caught -----------
+
+_MADE: dict[int, tuple[weakref.ref, ReleaseInfo]] = {}
+_MADE_LOCK = threading.Lock()
+
+
+def remember_release(value: Any, info: ReleaseInfo) -> None:
+    """Note that ``value`` (an array :func:`~d3pext.handlers.make_release` returned) was released as
+    ``info``, for as long as the array lives."""
+    key = id(value)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        with _MADE_LOCK:
+            if key in _MADE and _MADE[key][0] is ref:
+                del _MADE[key]
+
+    try:
+        ref = weakref.ref(value, forget)
+    except TypeError:  # an object without weak references: not remembered
+        return
+    with _MADE_LOCK:
+        _MADE[key] = (ref, info)
+
+
+def _made_as(value: Any) -> ReleaseInfo | None:
+    with _MADE_LOCK:
+        entry = _MADE.get(id(value))
+    return entry[1] if entry is not None and entry[0]() is value else None
+
+
+def _describe(info: ReleaseInfo) -> dict[str, Any]:
+    mechanism = info.mechanism
+    cost = mechanism.cost()
+    return {
+        "statistic": info.statistic,
+        "bounds": info.bounds,
+        "bounds_method": info.bounds_method if info.bounds is not None else None,
+        "num_records": info.num_records,
+        "stat_shape": tuple(info.stat_shape),
+        "mechanism": type(mechanism).__name__,
+        "neighbouring": getattr(mechanism, "neighbouring", None),
+        "epsilon": cost.epsilon,
+        "delta": cost.delta,
+        "sensitivity": mechanism.sensitivity,
+        **{f"noise {k}": v for k, v in mechanism.noise_parameters().items()},
+    }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, str) or isinstance(b, str) or a is None or b is None:
+        return a == b
+    try:
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    except (TypeError, ValueError):
+        return a == b
+    return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-9, atol=0.0))
+
+
+def check_made_as_analysed(name: str, value: Any, analysed: ReleaseInfo) -> None:
+    """Refuse to analyse ``value`` as the release ``analysed`` describes if this process made it
+    (:func:`~d3pext.handlers.make_release`) with other settings: the posterior would assume other
+    noise, bounds or records than the release has (a release drawn at epsilon 0.05 and analysed as
+    epsilon 1 gave a posterior half as wide as it should be). Values this process did not make are
+    not checked: an analyst must declare the mechanism that the curator used."""
+    made = _made_as(value)
+    if made is None:
+        return
+    ours, theirs = _describe(made), _describe(analysed)
+    differ = [k for k in sorted(set(ours) | set(theirs)) if not _same(ours.get(k), theirs.get(k))]
+    if differ:
+        detail = "; ".join(f"{k}: made with {ours.get(k)!r}, analysed as {theirs.get(k)!r}" for k in differ)
+        raise ValueError(
+            f"The release {name!r} was made by make_release with other settings than the model "
+            f"analyses it with ({detail}): the posterior would assume other noise than the release "
+            "has. Analyse it with the privatize settings it was made with."
+        )

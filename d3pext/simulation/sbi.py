@@ -58,7 +58,7 @@ from d3pext.compile_cache import program_digest
 from d3pext.simulation import rqmc
 from d3pext.simulation.flows import FlowTrainer, conditional_spline_flow, require_flowjax
 from d3pext.inference.structure import conditioned_releases
-from d3pext.releases.info import ReleaseInfo, release_sites
+from d3pext.releases.info import ReleaseInfo, check_made_as_analysed, release_sites
 from d3pext.validation import check_int
 
 __all__ = ["SPLE", "SPPE", "SequentialEstimator", "Simulator"]
@@ -149,6 +149,8 @@ class Simulator:
             raise ValueError(
                 f"No observed value for the release sites {missing}: pass data={{{missing[0]!r}: value}}."
             )
+        for name, value in given.items():
+            check_made_as_analysed(name, value, releases[name])
         self.releases: dict[str, ReleaseInfo] = releases
         sources = {info.source for info in releases.values()}
         for name, info in releases.items():
