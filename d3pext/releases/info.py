@@ -17,7 +17,7 @@ import numpy as np
 
 from numpyro.primitives import CondIndepStackFrame
 
-__all__ = ["CONFIDENTIAL", "ReleaseInfo", "check_made_as_analysed", "remember_release", "release_sites"]
+__all__ = ["CONFIDENTIAL", "ReleaseInfo", "release_sites"]
 
 
 CONFIDENTIAL = "d3pext_confidential"
@@ -76,7 +76,7 @@ _MADE_LOCK = threading.Lock()
 
 
 def remember_release(value: Any, info: ReleaseInfo) -> None:
-    """Note that ``value`` (an array :func:`~d3pext.handlers.make_release` returned) was released as
+    """Note that ``value`` (an array :func:`~d3pext.handlers.privatize.make_release` returned) was released as
     ``info``, for as long as the array lives."""
     key = id(value)
 
@@ -129,7 +129,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def check_made_as_analysed(name: str, value: Any, analysed: ReleaseInfo) -> None:
     """Refuse to analyse ``value`` as the release ``analysed`` describes if this process made it
-    (:func:`~d3pext.handlers.make_release`) with other settings: the posterior would assume other
+    (:func:`~d3pext.handlers.privatize.make_release`) with other settings: the posterior would assume other
     noise, bounds or records than the release has (a release drawn at epsilon 0.05 and analysed as
     epsilon 1 gave a posterior half as wide as it should be). Values this process did not make are
     not checked: an analyst must declare the mechanism that the curator used."""

@@ -26,7 +26,7 @@ neighbouring data sets. What is protected, and how:
   differentially private as such. The Laplace cost is exactly its epsilon, with noise
   ``1 + 1/resolution`` times the nominal scale: one grid unit per value for the randomized
   rounding and one in all for the float rounding of the statistic (under a unit: the statistic
-  below ``2^50`` units, computed in float64 by :func:`~d3pext.handlers.make_release`). The
+  below ``2^50`` units, computed in float64 by :func:`~d3pext.handlers.privatize.make_release`). The
   scalar discrete Gaussian's exact delta is checked against the target (Theorem 7); vectors are
   accounted as the continuous Gaussian at the rounding-inflated sensitivity, and the ledger
   composes Gaussian releases as continuous Gaussians (their single-release curves agree to
@@ -37,7 +37,7 @@ neighbouring data sets. What is protected, and how:
 - *Bad inputs*: non-finite values are refused; a non-integer sensitivity of the geometric
   mechanism (which would double its true epsilon) is refused.
 - *Not covered*: the sensitivity is the curator's declaration (bounds, clamping, the statistic).
-  :func:`~d3pext.handlers.make_release` computes the statistics it releases from concrete data
+  :func:`~d3pext.handlers.privatize.make_release` computes the statistics it releases from concrete data
   in float64 (sums correctly rounded, integer sums exact), so they move between neighbours by
   the sensitivity plus under a grid unit; a statistic computed by the caller and passed to
   :meth:`Mechanism.release` is trusted to that precision (a float32 mean of 1e7 records can move
