@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
+import itertools
 import math
 from typing import Any, Literal
 import warnings
@@ -63,8 +64,31 @@ def _exact_sum(t: Any, batch_ndim: int) -> np.ndarray:
     rows = t.reshape(-1, int(np.prod(stat_shape, dtype=np.int64)))
     if t.dtype == np.bool_ or np.issubdtype(t.dtype, np.integer):
         return rows.astype(np.int64).sum(axis=0).reshape(stat_shape)
-    cols = rows.astype(np.float64).T
-    return np.array([math.fsum(col.tolist()) for col in cols], np.float64).reshape(stat_shape)
+    return np.array([_fsum(rows[:, j]) for j in range(rows.shape[1])], np.float64).reshape(stat_shape)
+
+
+def _fsum(values: np.ndarray, chunk: int = 1 << 18) -> float:
+    """``math.fsum`` of a column, fed in chunks (memory stays that of one chunk)."""
+    return math.fsum(
+        itertools.chain.from_iterable(
+            values[i:i + chunk].astype(np.float64).tolist() for i in range(0, values.shape[0], chunk)
+        )
+    )
+
+
+def _inward(bounds: tuple[float, float], dtype: Any) -> tuple[Any, Any]:
+    """``bounds`` rounded inwards to ``dtype``: records clipped to them lie in ``[a, b]`` exactly
+    (rounded to nearest, a float32 ``b`` of 45.1235 lies above it, and a clipped record then
+    spans more than the sensitivity ``b - a``: 6x for bounds (1e6 + 0.03, 1e6 + 0.04))."""
+    a, b = bounds
+    lo, hi = np.asarray(a, dtype), np.asarray(b, dtype)
+    if float(lo) < a:
+        lo = np.nextafter(lo, np.asarray(np.inf, dtype))
+    if float(hi) > b:
+        hi = np.nextafter(hi, np.asarray(-np.inf, dtype))
+    if lo > hi:
+        raise ValueError(f"bounds {bounds} hold no {np.dtype(dtype).name} value: widen them.")
+    return lo, hi
 
 
 class privatize(Messenger):
@@ -238,7 +262,8 @@ class privatize(Messenger):
         bounds = None
         if self.bounds is not None:
             if self.bounds_method == "clamp":
-                x = jnp.clip(x, *self.bounds)
+                dtype = jnp.promote_types(jnp.result_type(x), jnp.result_type(float))
+                x = jnp.clip(jnp.asarray(x, dtype), *_inward(self.bounds, dtype))
             else:
                 bounds = self.bounds
         t = family.truncated_statistic(x, bounds)
@@ -268,10 +293,10 @@ class privatize(Messenger):
             raise ValueError(f"privatize({self.site!r}): {self.statistic} needs n >= 2 records.")
         if _is_concrete(value):  # the curator's data: clipped, summed and divided in float64
             x = np.clip(np.asarray(value, np.float64).reshape(-1), a, b)
-            mean = math.fsum(x.tolist()) / n
+            mean = _fsum(x) / n
             if self.statistic == "sample_mean":
                 return np.float64(mean), (b - a) / n, n, ()
-            return np.float64(math.fsum(((x - mean) ** 2).tolist()) / (n - 1)), (b - a) ** 2 / n, n, ()
+            return np.float64(_fsum((x - mean) ** 2) / (n - 1)), (b - a) ** 2 / n, n, ()
         # traced (the analyst's model): at least the default float, as a float16 mean rounds by
         # more than the sensitivity (b - a) / n
         x = jnp.clip(jnp.asarray(value, jnp.promote_types(jnp.result_type(value), jnp.result_type(float))), a, b)

@@ -163,3 +163,16 @@ def test_laplace_grid_absorbs_float_error_of_the_statistic(d):
                             np.log(w + 1e-300) + discrete_laplace_log_pmf(m - lo - 1, t))
 
     assert np.max(np.abs(log_pmf(a[0]) - log_pmf(b[0]))) <= eps + 1e-9
+
+
+def test_grid_limit_is_on_each_release_s_l1_norm():
+    # a 16-vector at 8.4e14 units per value (below the old per-value limit 2^52) carried two units of
+    # float rounding between neighbours, twice the slack; the limit is now 2^49 in L1 per release
+    from d3pext.releases.mechanisms import to_grid_units
+
+    with pytest.raises(ValueError, match="2\\^49"):
+        to_grid_units(np.full(16, 2.0**45 / 1024), 1.0, 1024, size=16)
+    units = to_grid_units(np.full((3, 16), 2.0**40 / 1024), 1.0, 1024, size=16)  # three releases
+    assert units.shape == (3, 16)
+    lap = LaplaceMechanism(1.0, sensitivity=1.0)
+    assert lap.release_many(jax.random.key(0), jnp.full(4, 1e6), 50, reproducible=True).shape == (50, 4)

@@ -242,3 +242,26 @@ def test_a_release_made_here_is_analysed_with_the_settings_it_was_made_with():
     Simulator(same, release, (50,))  # the settings it was made with
     # a value this process did not make (a copy, say) is the analyst's declaration
     Simulator(other, {"x_dp": np.asarray(release["x_dp"])}, (50,))
+
+
+def test_clamp_bounds_are_rounded_inwards_to_the_records_precision():
+    # float32 (spacing 0.0625 at 1e6) rounds 1e6 + 0.03 down and 1e6 + 0.17 up: records clipped to
+    # the rounded bounds spanned 1.34x the sensitivity b - a (6.25x for bounds (1e6 + 0.03, 1e6 + 0.04))
+    a, b = 1e6 + 0.03, 1e6 + 0.17
+
+    def model(x=None):
+        with numpyro.plate("records", 100):
+            numpyro.sample("x", dist.Exponential(1.0), obs=x)
+
+    private = privatize(model, site="x", mechanism=LaplaceMechanism(1.0), bounds=(a, b), bounds_method="clamp")
+    values = []
+    for record in (1.0, 2e6):  # clipped to a and to b
+        x = np.full(100, 1e6 + 0.1, np.float32)
+        x[0] = record
+        site = trace(seed(private, 0)).get_trace(jnp.asarray(x))["x_dp"]
+        values.append(float(site["infer"]["statistic"]))
+        sensitivity = site["infer"]["privatize"].mechanism.sensitivity
+    assert 0 < abs(values[1] - values[0]) <= sensitivity
+    with pytest.raises(ValueError, match="hold no float32 value"):
+        trace(seed(privatize(model, site="x", mechanism=LaplaceMechanism(1.0), bounds=(a, a + 1e-3),
+                             bounds_method="clamp"), 0)).get_trace(jnp.asarray(x))

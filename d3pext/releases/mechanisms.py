@@ -26,7 +26,7 @@ neighbouring data sets. What is protected, and how:
   differentially private as such. The Laplace cost is exactly its epsilon, with noise
   ``1 + 1/resolution`` times the nominal scale: one grid unit per value for the randomized
   rounding and one in all for the float rounding of the statistic (under a unit: the statistic
-  below ``2^50`` units, computed in float64 by :func:`~d3pext.handlers.privatize.make_release`). The
+  below ``2^49`` units in L1, computed in float64 by :func:`~d3pext.handlers.privatize.make_release`). The
   scalar discrete Gaussian's exact delta is checked against the target (Theorem 7); vectors are
   accounted as the continuous Gaussian at the rounding-inflated sensitivity, and the ledger
   composes Gaussian releases as continuous Gaussians (their single-release curves agree to
@@ -107,17 +107,20 @@ resolution``: fine enough that the release law is the continuous one up to a fac
 ``exp(+-1/(2 t))`` in the likelihood (``t = resolution / epsilon`` for Laplace)."""
 
 
-def to_grid_units(value: np.ndarray, sensitivity: float, resolution: int) -> np.ndarray:
-    """``value * resolution / sensitivity`` as exact rationals (floats at their binary value)."""
+def to_grid_units(value: np.ndarray, sensitivity: float, resolution: int, size: int = 1) -> np.ndarray:
+    """``value * resolution / sensitivity`` as exact rationals (floats at their binary value), for
+    releases of ``size`` values each (the trailing ones of ``value``)."""
     ratio = Fraction(resolution) / Fraction(sensitivity)
     flat = [Fraction(float(v)) * ratio for v in np.asarray(value, dtype=np.float64).reshape(-1)]
-    # below 2^50 grid units a float64 statistic's rounding (a few ulps, correctly rounded sums)
-    # stays under a quarter unit, which the mechanisms' one unit of slack absorbs
-    if flat and max(abs(a) for a in flat) >= 2**50:
+    # below 2^49 grid units in L1, a float64 statistic rounded twice per value (a correctly
+    # rounded sum, then a division) moves neighbours' values apart by under a quarter unit in all,
+    # which the mechanisms' one unit of slack absorbs
+    total = max((sum(abs(a) for a in flat[i:i + size]) for i in range(0, len(flat), size)), default=0)
+    if total >= 2**49:
         raise ValueError(
-            "the statistic is too large for its sensitivity: value / sensitivity * resolution "
-            f"must stay below 2^50 (got {float(max(abs(a) for a in flat)):.3g}); lower the "
-            "mechanism's resolution or rescale the statistic."
+            "the statistic is too large for its sensitivity: the sum of |value| / sensitivity * "
+            f"resolution must stay below 2^49 (got {float(total):.3g}); lower the mechanism's "
+            "resolution or rescale the statistic."
         )
     return np.array(flat, dtype=object).reshape(np.shape(value))
 
@@ -395,7 +398,7 @@ class LaplaceMechanism(Mechanism):
         # exactly epsilon, with (1 + 1/resolution) times the nominal noise.
         sensitivity = self._require_sensitivity()
         r, bound = self._grid_bound(size)
-        j = randomized_round(bits, to_grid_units(value, sensitivity, r))
+        j = randomized_round(bits, to_grid_units(value, sensitivity, r, size))
         k = discrete_laplace(bits, Fraction(bound) / Fraction(self.epsilon), j.shape)
         return from_grid_units(j + k, sensitivity, r, value)
 
@@ -497,7 +500,7 @@ class GaussianMechanism(Mechanism):
         # from the float rounding of the statistic (see _discrete_gaussian_variance)
         sensitivity, d = self._require_sensitivity(), size
         r = self.resolution * math.isqrt(d - 1) + self.resolution if d > 1 else self.resolution
-        j = randomized_round(bits, to_grid_units(value, sensitivity, r))
+        j = randomized_round(bits, to_grid_units(value, sensitivity, r, size))
         sigma2 = _discrete_gaussian_variance(self.epsilon, self.delta, self.noise_multiplier, r, d)
         k = discrete_gaussian(bits, sigma2, j.shape)
         return from_grid_units(j + k, sensitivity, r, value)
