@@ -483,3 +483,108 @@ def test_d3p_helpers_work_or_say_what_to_write_instead():
         split_batchify_data((X,), 10)
     with pytest.raises(TypeError, match="rng_suite= is d3p's"):
         dpsvi(normal_model, rng_suite="d3p.random")
+
+
+# ------------------------------------------------------------------ data that reach the fit by other paths
+
+
+def test_record_data_given_to_the_constructor_is_refused():
+    # NumPyro's SVI(..., **static_kwargs): y there is as public to DPSVI as a call's keyword, and its
+    # mean would reach the unclipped prior (one substituted y moved the gradient 5 C)
+    message = "keyword argument 'y' given to DPSVI's constructor has 200 rows, as many as the data"
+    with pytest.raises(ValueError, match=message):
+        dpsvi(keyword_model, y=2.0 * X).init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match=message):
+        dpsvi(keyword_model, y=2.0 * X).run(jax.random.key(0), 2, X, progress_bar=False)
+
+
+def test_data_in_a_param_constraint_is_refused():
+    # the constraint becomes the parameter's transform, its bounds constants of every step: the
+    # released parameter landed on min(x') - 1
+    from numpyro.distributions import constraints
+
+    def guide(x, bounds):
+        m = numpyro.param("m", 0.0, constraint=constraints.interval(*bounds(x)))
+        numpyro.sample("mu", dist.Normal(m, 0.1))
+
+    def svi(bounds):
+        return DPSVI(normal_model, functools.partial(guide, bounds=bounds), optax.adam(0.05), Trace_ELBO(),
+                     clipping_threshold=2.0, dp_scale=1.0)
+
+    svi(lambda x: (-10.0, 10.0)).init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match="the constraint of guide param 'm' can depend on the data"):
+        svi(lambda x: (jnp.min(x) - 1.0, jnp.max(x) + 1.0)).init(jax.random.key(0), X)
+
+
+Y = 2.0 * X + 0.1
+
+
+def closed_over_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=B) as idx:
+        numpyro.sample("y", dist.Normal(mu * numpyro.subsample(x, event_dim=0), 1.0), obs=Y[idx])
+
+
+def full_batch_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Normal(mu * x, 1.0))
+
+
+@pytest.mark.parametrize("model", [closed_over_model, numpyro.handlers.condition(full_batch_model, {"y": Y})])
+def test_observations_not_from_the_positional_data_are_refused(model):
+    # conditioned (or closed-over) observations are not kept apart per record: with condition, each
+    # record's term broadcast against all N of them (record 0's loss was the whole data's)
+    with pytest.raises(ValueError, match="observed site 'y' in the data plate 'data' does not take its observed value"):
+        dpsvi(model).init(jax.random.key(0), X)
+
+
+def test_observations_of_other_records_in_a_record_term_are_refused():
+    def model(x, y):  # a closed-over array of N rows: each record's term reads all N
+        mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Normal(mu * x, 1.0), obs=y - Y)
+
+    with pytest.raises(ValueError, match="observed site 'y' has 200 values along the data plate 'data'"):
+        dpsvi(model).init(jax.random.key(0), X, Y)
+
+
+def test_an_autoguide_starts_from_no_record():
+    # init_to_median (AutoDelta's default) draws the local t from its prior Normal(c_i, 1): the initial
+    # locations were copies of the prototype batch's records, outside clipping and noise
+    from numpyro.infer.autoguide import AutoDelta
+
+    def model(c, y):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        with numpyro.plate("data", c.shape[0], subsample_size=B):
+            t = numpyro.sample("t", dist.Normal(numpyro.subsample(c, event_dim=0), 1.0))
+            numpyro.sample("y", dist.Normal(t, s), obs=numpyro.subsample(y, event_dim=0))
+
+    def initial(c):
+        svi = DPSVI(model, AutoDelta(model), optax.adam(0.01), clipping_threshold=1.0, dp_scale=1.0)
+        return svi.get_params(svi.init(jax.random.key(3), c, X))
+
+    first, second = initial(X), initial(X + 100.0)  # every record moved: whichever the prototype's batch holds
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name])
+    assert float(jnp.max(jnp.abs(first["t_auto_loc"]))) < 10.0
+
+
+def test_poisson_sampling_rate_is_stated_not_taken_from_the_private_number_of_records():
+    # add/remove neighbours differ in N: a step scaled by N / B revealed N in its noise's variance
+    def svi(**kw):
+        return dpsvi(normal_model, sampler="poisson", **kw)
+
+    for n in (N, N + 1):
+        data = jnp.concatenate([X, X[:1]])[:n]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            stated = svi(sampling_rate=0.1)
+            stated.init(jax.random.key(0), data)
+        assert stated.sampler.q == 0.1 and stated.privacy_spent(10).sampling_rate == 0.1
+    with pytest.warns(UserWarning, match=r"sampler='poisson' without sampling_rate= takes the rate q = B / N = 0\.1 "):
+        svi().init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match="sampling_rate must be in"):
+        svi(sampling_rate=1.5)
+    with pytest.raises(ValueError, match="sampling_rate= is the rate of sampler='poisson'"):
+        dpsvi(normal_model, sampling_rate=0.1)

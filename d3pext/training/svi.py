@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax, random
 from jax.extend.core import jaxpr_as_fun
 
+from numpyro.distributions import Unit
 from numpyro.handlers import Messenger, replay, seed, substitute, trace
 from numpyro.primitives import _PYRO_STACK, plate
 from numpyro.infer import SVI, Trace_ELBO
@@ -179,15 +180,28 @@ class _WithoutLikelihood(Messenger):
 
 def _setup_autoguide_without_data(guide, rng_key, args, kwargs) -> None:
     """Set up an AutoGuide's prototype (its sites and initial point) from the model without its
-    likelihood. NumPyro redraws the initial point until the model's log density and its gradient are
-    finite; on the data that would make the starting parameters, and so the released fit, a function of
-    the data outside the clipped and noised gradient."""
+    likelihood, and with the records (the positional arguments) replaced by zeros. NumPyro redraws the
+    initial point until the model's log density and its gradient are finite, and its ``init_loc_fn``
+    (``init_to_median``, ``init_to_sample``, ...) draws local latent sites from their priors, which may
+    read the record (``t ~ Normal(c_i, 1)``): on the data, the starting parameters, and so the released
+    fit, would be a function of the data outside the clipped and noised gradient."""
     if not hasattr(guide, "_setup_prototype") or getattr(guide, "prototype_trace", True) is not None:
         return
     model = guide.model
     guide.model = _WithoutLikelihood(model)
+    # device_put, not jnp.zeros: an eager jnp call compiles a program; traced or not, these are constants
+    zeros = jax.tree.map(lambda a: jax.device_put(np.zeros(np.shape(a), a.dtype)), args)
     try:
-        seed(_FirstIndices(guide._setup_prototype), rng_key)(*args, **kwargs)
+        seed(_FirstIndices(guide._setup_prototype), rng_key)(*zeros, **kwargs)
+    except RuntimeError as error:
+        if "valid initial param" not in str(error):
+            raise
+        raise ValueError(
+            f"{type(guide).__name__}: no valid initial point of the model with its records replaced by zeros. DPSVI "
+            "sets an AutoGuide up on data of zeros, so that no record reaches its initial parameters (its "
+            "init_loc_fn draws local latent sites from priors that may read the record); make the model's priors "
+            "valid there, or use a hand-written guide whose initial parameters do not depend on the data."
+        ) from error
     finally:
         guide.model = model
 
@@ -283,24 +297,39 @@ def _num_records(args) -> Optional[int]:
     return lengths.pop() if lengths else None
 
 
-def _check_keyword_arrays(args, kwargs: dict) -> None:
+def _check_keyword_arrays(args, kwargs: dict, static_kwargs: Optional[dict] = None) -> None:
     """Refuse a keyword array with as many rows as the positional data: it is almost surely record data,
     and DPSVI treats keyword arrays as public. Only positional data is subsampled by its sampler, kept
     apart record by record, and proven not to reach the unclipped global terms; a record array passed
-    by keyword would escape all three (a global prior reading ``jnp.mean(y)`` would leak, unclipped)."""
+    by keyword (to a call, or to the constructor: ``static_kwargs``) would escape all three (a global
+    prior reading ``jnp.mean(y)`` would leak, unclipped)."""
     num_records = _num_records(args)
     if num_records is None:
         return
-    for name, value in kwargs.items():
+    given = [(name, value, "") for name, value in kwargs.items()]
+    given += [(name, value, " given to DPSVI's constructor") for name, value in (static_kwargs or {}).items()]
+    for name, value, where in given:
         if name != "mask" and isinstance(value, (jax.Array, np.ndarray)) and jnp.ndim(value) > 0:
             if jnp.shape(value)[0] == num_records:
                 raise ValueError(
-                    f"keyword argument {name!r} has {num_records} rows, as many as the data: DPSVI treats keyword "
-                    "arrays as public (not clipped, and the global terms may use them), so record data must be "
-                    f"passed positionally, e.g. run(key, num_steps, x, {name}) for model(x, {name}=None). A public "
+                    f"keyword argument {name!r}{where} has {num_records} rows, as many as the data: DPSVI treats "
+                    "keyword arrays as public (not clipped, and the global terms may use them), so record data must "
+                    f"be passed positionally, e.g. run(key, num_steps, x, {name}) for model(x, {name}=None). A public "
                     f"array that only happens to have {num_records} rows can be bound to the model instead "
                     f"(functools.partial(model, {name}=...))."
                 )
+
+
+def _array_leaves(obj, depth: int = 0) -> list:
+    """The arrays held by ``obj`` (a constraint: a pytree in NumPyro, or any object, through its
+    attributes)."""
+    found = []
+    for leaf in jax.tree.leaves(obj):
+        if isinstance(leaf, (jax.Array, np.ndarray)):
+            found.append(leaf)
+        elif depth < 4 and hasattr(leaf, "__dict__"):
+            found += _array_leaves(vars(leaf), depth + 1)
+    return found
 
 
 def _accepts(fn: Callable, name: str) -> bool:
@@ -330,8 +359,8 @@ class DPSVI(SVI):
     - *plate mode* (recommended): pass the full data and declare ``numpyro.plate("data", N,
       subsample_size=B)``, reading records with ``numpyro.subsample`` or the plate's indices. DPSVI draws
       the batch itself with ``sampler`` (``"fixed"``: Feistel batches of exactly B without replacement,
-      substitute neighbours; ``"poisson"``: each record independently with q = B / N, add/remove
-      neighbours), and the accountant uses exactly that scheme.
+      substitute neighbours; ``"poisson"``: each record independently with probability ``sampling_rate``,
+      add/remove neighbours), and the accountant uses exactly that scheme.
     - *batch mode* (d3p style): pass a batch of B records (positional arguments, records on axis 0) to a
       model whose plate has size N and ``subsample_size=B``; the accountant then assumes the batches are
       uniformly random fixed-size batches without replacement (as from
@@ -351,6 +380,10 @@ class DPSVI(SVI):
     :param delta: target delta; also the delta at which privacy is reported. Default ``min(1e-5, 0.1 / N)``.
     :param num_steps: planned number of steps (required with ``epsilon``); :meth:`run` refuses to go beyond it.
     :param sampler: ``"fixed"`` or ``"poisson"`` (plate mode).
+    :param sampling_rate: q of ``sampler="poisson"``. Under add/remove neighbours the number of records N
+        is private, and each step is scaled by ``1 / q``: q must not be computed from the data, so state it
+        (from a public bound on N or a private release of it). Left out, it is ``B / N`` of the data plate,
+        with a warning that the fit can then reveal N.
     :param data_plate: name of the data plate, if it cannot be inferred.
     :param num_obs_total: N, for batch-mode models whose plate does not know the total number of records.
     :param clipping: how the clipped sum is computed; all give the same sum. ``"materialize"``: per-record
@@ -408,6 +441,7 @@ class DPSVI(SVI):
         delta: Optional[float] = None,
         num_steps: Optional[int] = None,
         sampler: str = "fixed",
+        sampling_rate: Optional[float] = None,
         data_plate: Optional[str] = None,
         num_obs_total: Optional[int] = None,
         clipping: str = "auto",
@@ -453,6 +487,16 @@ class DPSVI(SVI):
             raise ValueError(
                 f"sampler must be 'fixed', 'poisson', a FixedSizeSampler or a PoissonSampler, got {sampler!r}"
             )
+        if sampling_rate is not None:
+            if sampler != "poisson":
+                raise ValueError(
+                    "sampling_rate= is the rate of sampler='poisson' in plate mode; a FixedSizeSampler's rate is B / N "
+                    "of its public N, and a PoissonSampler carries its own sampling_rate"
+                )
+            sampling_rate = float(sampling_rate)
+            if not 0 < sampling_rate <= 1:
+                raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
+        self.sampling_rate = sampling_rate
         if num_obs_total is not None and (int(num_obs_total) != num_obs_total or num_obs_total < 1):
             raise ValueError(f"num_obs_total must be a positive integer, got {num_obs_total}")
         if clipping not in ("auto", "materialize", "ghost", "reweight"):
@@ -584,7 +628,19 @@ class DPSVI(SVI):
                 )
             return given
         if structure.plate_mode and given == "poisson":
-            return PoissonSampler(structure.num_records, structure.batch_size / structure.num_records)
+            rate = self.sampling_rate
+            if rate is None:
+                rate = structure.batch_size / structure.num_records
+                warnings.warn(
+                    f"sampler='poisson' without sampling_rate= takes the rate q = B / N = {rate:.4g} from the number of "
+                    f"records N = {structure.num_records}, which add/remove neighbours keep private: each step's "
+                    "gradient is scaled by 1 / q and the accounting uses q, so the released parameters can reveal N. "
+                    "State the rate, DPSVI(..., sampler='poisson', sampling_rate=q), with q chosen without looking at "
+                    "the data (from a public bound on N, or a private release of it).",
+                    UserWarning,
+                    stacklevel=5,
+                )
+            return PoissonSampler(structure.num_records, rate)
         return FixedSizeSampler(structure.num_records, structure.batch_size)
 
     def _report_delta(self) -> float:
@@ -806,10 +862,12 @@ class DPSVI(SVI):
         """Refuse a model whose global (unclipped, noise-free) part can depend on the data.
 
         Proven on the traced program (:mod:`d3pext.training.dependence`), not tested on examples:
-        the value and gradient of every global term, and the initial value of every ``param``
-        site, are followed back through the jaxpr to the data arguments and, in plate mode, to the
-        index of the batch's record that the global terms are computed with (the batch is secret
-        too: the subsampling's amplification assumes it). The proven program of the global part is
+        the value and gradient of every global term, and the initial value and the constraint's
+        bounds of every ``param`` site, are followed back through the jaxpr to the data arguments
+        and, in plate mode, to the index of the batch's record that the global terms are computed
+        with (the batch is secret too: the subsampling's amplification assumes it). In the same
+        trace, the data plate's observed values in the run on one record must come from the data
+        (:meth:`_check_record_observations`). The proven program of the global part is
         kept and is what the compiled steps run (:meth:`_global_value_and_grad`). A proof holds for
         every later init with the same structure and the same types of data, parameters, keyword
         arrays and key, so it is kept and not repeated.
@@ -825,13 +883,27 @@ class DPSVI(SVI):
 
         def param_inits(data):
             full = {**kw, **self.static_kwargs}
-            inits = {}
+            inits, bounds = {}, {}
             for role, fn in (("guide", self.guide), ("model", self.model)):
                 tr = trace(seed(_FirstIndices(fn), rng_key)).get_trace(*data, **full)
-                inits.update({f"{role} param {n!r}": s["value"] for n, s in tr.items() if s["type"] == "param"})
-            return inits
+                for n, s in tr.items():
+                    if s["type"] == "param":
+                        inits[f"{role} param {n!r}"] = s["value"]
+                        # the constraint becomes a transform of the parameters, its bounds baked in
+                        bounds[f"{role} param {n!r}"] = _array_leaves(s["kwargs"].get("constraint"))
+            return inits, bounds, self._record_observations(params, rng_key, data, kw, found)
 
-        marks = dependent_outputs(param_inits, args)
+        found = {}
+        marks, bound_marks, obs_marks = dependent_outputs(param_inits, args)
+        self._check_record_observations(obs_marks, found)
+        bound_leaks = [name for name, m in bound_marks.items() if any(m)]
+        if bound_leaks:
+            raise ValueError(
+                f"the constraint of {', '.join(bound_leaks)} can depend on the data (e.g. interval(jnp.min(x), "
+                "jnp.max(x))): the parameter's transform would carry it into every step and into the released "
+                "parameters, without clipping or noise. Give the constraint data-free bounds (public constants, "
+                "or a private release passed as a keyword argument)."
+            )
         self._prove_global_part(
             args, params, dyn, static, jax.eval_shape(self._elbo_keys, rng_key),  # abstract: no split op by op
             np.zeros((), np.int32) if self.structure.plate_mode else None,  # a step's first sampled record
@@ -840,6 +912,51 @@ class DPSVI(SVI):
         )
         if proof is not None:
             self._independence_proofs.add(proof)
+
+    def _record_observations(self, params, rng_key, args, kwargs, found: dict) -> dict:
+        """The observed values of the data plate's sites in a step's run on one record (record 0), and
+        (into ``found``) each one's number of values along the data plate."""
+        name = self.structure.plate_name
+        if self.structure.plate_mode:
+            indices = jnp.zeros((1,), jnp.int32)
+            rec_args = jax.tree.map(lambda a: jnp.broadcast_to(a[0], jnp.shape(a)), args)
+        else:
+            indices, rec_args = jnp.zeros((1,), jnp.int32), jax.tree.map(lambda a: a[:1], args)
+        model_trace, _ = self._run_traces(params, self._elbo_keys(rng_key)[0], rec_args, kwargs, 0, indices)
+        values = {}
+        for site in model_trace.values():
+            if site["type"] != "sample" or not site["is_observed"] or not _in_plate(site, name):
+                continue
+            if isinstance(site["fn"], Unit):  # numpyro.factor: its value is an empty placeholder
+                continue
+            shape = jnp.shape(site["value"])
+            frame = next(f for f in site["cond_indep_stack"] if f.name == name)
+            axis = len(shape) - len(getattr(site["fn"], "event_shape", ())) + frame.dim
+            found[site["name"]] = shape[axis] if 0 <= axis < len(shape) else 1
+            values[site["name"]] = site["value"]
+        return values
+
+    def _check_record_observations(self, marks: dict, extents: dict) -> None:
+        """Each observed site of the data plate must observe the record's own data: a value that does
+        not come from the positional data (given by ``numpyro.handlers.condition``, or an array the
+        model closes over) is not kept apart record by record, nor subsampled: every record's term
+        would read all of it, outside the clipping bound."""
+        plate_name = self.structure.plate_name
+        for site, extent in extents.items():
+            if not marks[site]:
+                raise ValueError(
+                    f"observed site {site!r} in the data plate {plate_name!r} does not take its observed value from "
+                    "the positional data (observations given by numpyro.handlers.condition, or an array the model "
+                    "closes over?): DPSVI keeps only the positional data apart record by record, so each record's "
+                    "clipped term would read all of these observations. Pass them positionally and observe the "
+                    "record's own, e.g. obs=numpyro.subsample(y, event_dim=0) in model(x, y)."
+                )
+            if extent != 1:
+                raise ValueError(
+                    f"observed site {site!r} has {extent} values along the data plate {plate_name!r} in the run on "
+                    "one record: its term would read other records' data, outside the clipping bound. Observe the "
+                    "record's own data (obs=numpyro.subsample(y, event_dim=0), or y[idx] with the plate's indices)."
+                )
 
     def _prove_global_part(self, args, params, dyn, static, keys, index, keep: bool, leaks=()) -> tuple:
         """The global part's value and gradient traced as a program of ``(args, params, dyn, keys,
@@ -1236,7 +1353,7 @@ class DPSVI(SVI):
         """Refuse record data passed by keyword (:func:`_check_keyword_arrays`) and, with a mesh, data
         placed where the split step cannot take it (a clear error instead of XLA's): on devices outside
         the mesh or split otherwise than by rows over its data axis."""
-        _check_keyword_arrays(args, kwargs)
+        _check_keyword_arrays(args, kwargs, self.static_kwargs)
         if self.mesh is not None:
             check_data(args, self.mesh, self.data_axis)
             check_data(kwargs, self.mesh, self.data_axis)
