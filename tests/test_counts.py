@@ -621,3 +621,28 @@ def test_the_factorization_sweep_draws_its_gamma_variates_in_one_call():
         return found
 
     assert gammas(jaxpr.jaxpr) == 1
+
+
+@pytest.mark.parametrize("where", ["prior", "records"])
+@pytest.mark.parametrize("handler", ["mask", "scale"])
+def test_conjugate_rate_update_refuses_masked_or_scaled_sites(where, handler):
+    # Gamma(a + sum y, b + n) is the full conditional of the unweighted prior and records only; a
+    # power prior (scale) or a masked prior was updated as if the handler were not there
+    import numpyro
+    import numpyro.distributions as dist
+
+    weight = {"mask": lambda: numpyro.handlers.mask(mask=False),
+              "scale": lambda: numpyro.handlers.scale(scale=0.1)}[handler]
+    neutral = lambda: numpyro.handlers.scale(scale=1.0)  # noqa: E731
+
+    def model(n, counts=None):
+        with weight() if where == "prior" else neutral():
+            rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5))
+        with numpyro.plate("cells", n):
+            with weight() if where == "records" else neutral():
+                numpyro.sample("y", dist.Poisson(rate), obs=counts)
+
+    private = privatize_counts(model, site="y", mechanism=GeometricMechanism.from_alpha(CONJ_ALPHA))
+    kernel = PrivatePosterior(private, {"y_dp": CONJ_RELEASE}, "gibbs").prepare((CONJ_RELEASE.size,))
+    assert type(kernel).__name__ == "Gibbs"  # NUTS keeps the rate
+    assert isinstance(kernel.blocks[0][0], CountGibbs) and kernel.blocks[0][0].blocks[0].conjugate == ()

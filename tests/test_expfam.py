@@ -290,3 +290,54 @@ def test_conjugate_update_needs_the_latent_site_itself():
     assert _conjugate_params(_beta_bernoulli_kernel(lambda t: t, binomial)) == []
     assert _conjugate_params(_beta_bernoulli_kernel(lambda t: t, factor)) == []
     assert _conjugate_params(_beta_bernoulli_kernel(lambda t: t, derived)) == [("theta", "probs")]
+
+
+def test_conjugate_update_sees_user_distributions_masks_and_scales():
+    import numpyro
+    from numpyro.distributions import constraints
+
+    # theta in the likelihood of a user class without arg_constraints: a plain attribute, no
+    # pytree leaf. The Beta-Bernoulli update was taken (0.50 +- 0.016 for a release of 500 of
+    # 1000 and z = 900 of 1000; NUTS 0.69 +- 0.009)
+    class MyBinomial1000(dist.Distribution):
+        support = constraints.nonnegative_integer
+
+        def __init__(self, p):
+            self.p = p
+            super().__init__()
+
+        def log_prob(self, k):
+            return k * jnp.log(self.p) + (1000 - k) * jnp.log1p(-self.p)
+
+    def user(theta):
+        numpyro.sample("z", MyBinomial1000(theta), obs=900)
+
+    def masked_by_theta(theta):  # theta enters only the mask of another factor
+        with numpyro.handlers.mask(mask=theta > 0.5):
+            numpyro.sample("z", dist.Normal(0.0, 1.0), obs=4.0)
+
+    assert _conjugate_params(_beta_bernoulli_kernel(lambda t: t, user)) == []
+    assert _conjugate_params(_beta_bernoulli_kernel(lambda t: t, masked_by_theta)) == []
+
+    # a mask or scale on the prior or the records: the update of the unweighted Beta prior was
+    # taken (Beta(50, 1) under mask(False), release 30 of 100: 0.57 +- 0.06 against NUTS 0.30)
+    from d3pext.handlers import privatize
+    from d3pext.handlers.posterior import PrivatePosterior
+    from d3pext.releases.mechanisms import LaplaceMechanism
+
+    def kernel(prior_handler=None, records_handler=None, prior_mask=True):
+        def model(n, x=None):
+            with prior_handler() if prior_handler else numpyro.handlers.scale(scale=1.0):
+                theta = numpyro.sample("theta", dist.Beta(50.0, 1.0).mask(prior_mask))
+            with numpyro.plate("records", n):
+                with records_handler() if records_handler else numpyro.handlers.mask(mask=True):
+                    numpyro.sample("x", dist.Bernoulli(theta), obs=x)
+
+        private = privatize(model, site="x", mechanism=LaplaceMechanism(1.0))
+        return PrivatePosterior(private, {"x_dp": jnp.asarray(30.0)}).prepare((100,))
+
+    assert _conjugate_params(kernel()) == [("theta", "probs")]  # neutral mask and scale
+    for handler in (lambda: numpyro.handlers.mask(mask=False), lambda: numpyro.handlers.scale(scale=0.02)):
+        assert _conjugate_params(kernel(prior_handler=handler)) == []
+        assert _conjugate_params(kernel(records_handler=handler)) == []
+    assert _conjugate_params(kernel(prior_mask=False)) == []

@@ -508,3 +508,44 @@ def test_parameters_must_hold_the_latent_ancestors_of_their_prior():
                         statistic="sample_mean", bounds=(-5.0, 5.0))
     with pytest.raises(ValueError, match=r"depends on \['x'.*confidential data"):
         Simulator(private, {"x_dp": jnp.array(0.1)}, (20,))
+
+
+def test_prior_ancestors_through_a_user_distribution_or_a_handler_are_found():
+    # theta ~ MyNormal(mu), a distribution class without arg_constraints: mu is a plain attribute,
+    # no pytree leaf, and parameters=("theta",) was accepted (log_prior at one fixed draw of mu)
+    from numpyro.distributions import constraints
+
+    from d3pext.simulation.sbi import Simulator
+
+    class MyNormal(dist.Distribution):
+        support = constraints.real
+
+        def __init__(self, loc):
+            self.loc = loc
+            super().__init__(batch_shape=jnp.shape(loc))
+
+        def sample(self, key, sample_shape=()):
+            return self.loc + random.normal(key, sample_shape + self.batch_shape)
+
+        def log_prob(self, x):
+            return -0.5 * (x - self.loc) ** 2 - 0.9189385
+
+    def user(n, x=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+        theta = numpyro.sample("theta", MyNormal(mu))
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Bernoulli(logits=theta), obs=x)
+
+    def scaled(n, x=None):  # a power prior whose weight is another site
+        w = numpyro.sample("w", dist.Uniform(0.1, 1.0))
+        with numpyro.handlers.scale(scale=w):
+            theta = numpyro.sample("theta", dist.Normal(0.0, 1.0))
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Bernoulli(logits=theta), obs=x)
+
+    data = {"x_dp": jnp.array(40.0)}
+    for model, other in ((user, "mu"), (scaled, "w")):
+        private = privatize(model, site="x", mechanism=LaplaceMechanism(1.0))
+        with pytest.raises(ValueError, match=rf"depends on the latent sites \['{other}'\]"):
+            Simulator(private, data, (50,), parameters=("theta",))
+        assert Simulator(private, data, (50,), parameters=(other, "theta")).parameters == (other, "theta")

@@ -359,8 +359,11 @@ def register_conjugate(likelihood: type | tuple[type, ...], param: str, prior: t
 
 
 def find_conjugate(record: Distribution, param: str, prior: Distribution) -> ConjugateUpdate | None:
-    """The registered update for ``record``'s parameter ``param`` under ``prior``, or None."""
+    """The registered update for ``record``'s parameter ``param`` under ``prior``, or None (also
+    for a masked ``prior``: its density is not the registered family's)."""
     while isinstance(prior, (MaskedDistribution, ExpandedDistribution)):
+        if isinstance(prior, MaskedDistribution) and prior._mask is not True:
+            return None
         prior = prior.base_dist
     for cls in type(record).__mro__:
         table = _CONJUGATES.get((cls, param))

@@ -508,8 +508,9 @@ def poisson_gamma_sites(pm: PrivateModel, source: str, candidates: Sequence[str]
     operation between: :attr:`~d3pext.inference.structure.PrivateModel.parameter_sites`; a rate
     passed on through a function, e.g. ``2 * rate`` or ``jnp.minimum(rate, 50.0)``, keeps NUTS)
     and is a parameter of no other site of the model (compared by value in the concrete trace of
-    ``pm``). Then the rate's full conditional given the counts ``y_1..y_n`` is
-    ``Gamma(a + sum y, b + n)``; otherwise (no such site) NUTS keeps it.
+    ``pm``), neither it nor the counts weighted by a ``mask`` or ``scale`` handler
+    (:attr:`~d3pext.inference.structure.Site.weighted`). Then the rate's full conditional given
+    the counts ``y_1..y_n`` is ``Gamma(a + sum y, b + n)``; otherwise (no such site) NUTS keeps it.
     """
     site = pm.sites[source]
     fn = site.fn

@@ -229,8 +229,9 @@ def _conjugate_sites(
 
     Identity is structural (:attr:`~d3pext.inference.structure.PrivateModel.parameter_sites`):
     the parameter is the site's traced value, with no operation between, and the site enters no
-    other factor of the model. A transformed site (``1 - theta``, ``jnp.minimum(theta, 0.95)``), or
-    one that other sites depend on, is left to NUTS.
+    other factor of the model. A transformed site (``1 - theta``, ``jnp.minimum(theta, 0.95)``),
+    one that other sites depend on, or one whose prior or records a ``mask`` or ``scale`` weighs,
+    is left to NUTS.
     """
     pairs = []
     for param in conjugate_parameters(record):

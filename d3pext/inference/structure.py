@@ -57,6 +57,9 @@ class Site:
     :param is_observed: whether the site is observed.
     :param infer: the site's static ``infer`` entries (array-valued ones are dropped).
     :param plates: the site's plates, innermost first.
+    :param weighted: whether a ``mask`` or ``scale`` handler weights the site's log density (one
+        not concretely ``True`` or ``1``) or its distribution is masked (``fn.mask(...)``): then
+        the unmasked distribution is not its factor of the joint.
     """
 
     name: str
@@ -65,6 +68,7 @@ class Site:
     is_observed: bool
     infer: Mapping[str, Any] = field(default_factory=dict)
     plates: tuple[CondIndepStackFrame, ...] = ()
+    weighted: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,9 @@ class PrivateModel:
         release sources' distributions (masks, plate expansions and ``to_event`` removed) that
         *are* the value of a latent site: the same traced value, no operation between (so
         ``dist.Bernoulli(theta)`` names ``theta``, ``dist.Bernoulli(jnp.minimum(theta, 0.95))``
-        does not). Conjugate updates rely on it.
+        does not), that enter no other factor of the joint (no other site's log density, mask or
+        scale computes from them) and whose site and source are not :attr:`Site.weighted`.
+        Conjugate updates rely on it.
     """
 
     model: Callable
@@ -159,6 +165,41 @@ def init_to_uniform_but_confidential(msg: dict) -> jax.Array | None:
     return init_to_uniform(msg)
 
 
+def _is_weighted(site: dict) -> bool:
+    """Whether a handler ``mask`` or ``scale`` applies to the sample site ``site`` (one that is
+    traced, or concretely not all ``True`` / all ``1``), or its distribution is masked."""
+    mask, scale = site.get("mask"), site.get("scale")
+    fn = site["fn"]
+    while isinstance(fn, (MaskedDistribution, ExpandedDistribution, Independent)):
+        if isinstance(fn, MaskedDistribution) and fn._mask is not True:
+            return True
+        fn = fn.base_dist
+
+    def concretely(value: Any, neutral: Any) -> bool:
+        if isinstance(value, jax.core.Tracer):
+            return False
+        try:
+            return bool(np.all(np.asarray(value) == neutral))
+        except Exception:  # not an array of numbers
+            return False
+
+    return not (
+        (mask is None or concretely(mask, True)) and (scale is None or concretely(scale, 1))
+    )
+
+
+def _log_density(site: dict) -> jax.Array:
+    """The summed log density of the sample site ``site`` as the joint sees it: ``mask`` and
+    ``scale`` applied (what a site computes, from parameters that need not be pytree leaves of its
+    distribution: a user class without ``arg_constraints`` keeps them as plain attributes)."""
+    log_prob = site["fn"].log_prob(site["value"])
+    if site.get("mask") is not None:
+        log_prob = jnp.where(site["mask"], log_prob, 0.0)
+    if site.get("scale") is not None:
+        log_prob = site["scale"] * log_prob
+    return jnp.sum(log_prob)
+
+
 def _base_distribution(fn: Any) -> Any:
     while isinstance(fn, (MaskedDistribution, ExpandedDistribution, Independent)):
         fn = fn.base_dist
@@ -185,6 +226,7 @@ def _traced_run(
                 bool(site["is_observed"]),
                 {k: v for k, v in (site.get("infer") or {}).items() if _is_static(v)},
                 tuple(site["cond_indep_stack"]),
+                _is_weighted(site),
             )
             for name, site in samples.items()
         }
@@ -196,8 +238,10 @@ def _traced_run(
             for param in getattr(base, "arg_constraints", {}):
                 value = base.__dict__.get(param)
                 owner = _sole_parameter_site(samples, latent, info.source, value)
-                if owner is not None:
-                    candidates[f"{info.source}:{param}"] = owner
+                if owner is not None and not (
+                    static["sites"][owner][3] or static["sites"][info.source][3]
+                ):
+                    candidates[f"{info.source}:{param}"] = (owner, info.source)
             try:
                 record = record_distribution(tr[info.source]["fn"])
             except ValueError:
@@ -205,12 +249,22 @@ def _traced_run(
             for param in conjugate_parameters(record):
                 values[f"{info.source}:{param}"] = getattr(record, param)
         fns = {name: (site["fn"], site["value"]) for name, site in samples.items()}
+        # every site's log density is an output, so that the liveness pass below sees each use of
+        # a candidate; where one cannot be computed, no candidate is safe
+        log_densities = {}
+        if candidates:
+            try:
+                log_densities = {name: _log_density(site) for name, site in samples.items()}
+            except Exception:
+                candidates = {}
         leaves = jax.tree.leaves((fns, values))
+        n = len(leaves)
+        static["log_densities"] = {name: n + i for i, name in enumerate(sorted(log_densities))}
         static["candidates"] = {
-            key: (name, next(i for i, leaf in enumerate(leaves) if leaf is values[name]))
-            for key, name in candidates.items()
+            key: (name, source, next(i for i, leaf in enumerate(leaves) if leaf is values[name]))
+            for key, (name, source) in candidates.items()
         }
-        return fns, values
+        return fns, values, log_densities
 
     # the release values are arguments, not constants: the traced program, and its digest, are those
     # of every release of the same shapes
@@ -219,17 +273,24 @@ def _traced_run(
     # a candidate's value must feed no operation of the run either (a factor, another site's
     # parameter computed from it): then the record distribution is its only likelihood. Dead
     # operations do not count (numpyro's argument validation, whose result is dropped under jit).
+    # The log densities of the candidate's own site and of its source (its prior and the records'
+    # likelihood) are the factors a conjugate update replaces; every other output must not use it.
     jaxpr = traced.jaxpr.jaxpr
-    live = {id(v) for v in jaxpr.outvars}
-    consumed = {id(v) for v in jaxpr.invars}
-    for eqn in reversed(jaxpr.eqns):
-        if eqn.effects or any(id(v) in live for v in eqn.outvars):
-            live.update(id(v) for v in eqn.invars)
-            consumed.update(id(v) for v in eqn.invars)
+
+    def consumed(excluded: set[int]) -> set[int]:
+        live = {id(v) for i, v in enumerate(jaxpr.outvars) if i not in excluded}
+        used = {id(v) for v in jaxpr.invars}
+        for eqn in reversed(jaxpr.eqns):
+            if eqn.effects or any(id(v) in live for v in eqn.outvars):
+                live.update(id(v) for v in eqn.invars)
+                used.update(id(v) for v in eqn.invars)
+        return used
+
+    positions = static["log_densities"]
     static["parameter_sites"] = {
         key: name
-        for key, (name, position) in static["candidates"].items()
-        if id(jaxpr.outvars[position]) not in consumed
+        for key, (name, source, position) in static["candidates"].items()
+        if id(jaxpr.outvars[position]) not in consumed({positions[name], positions[source]})
     }
     return conditioned_model, program, traced, static
 
@@ -368,10 +429,10 @@ def inspect_model(
         # primitive would then compile a program of its own (1.2 s of a Gibbs sampler's first run).
         with jax.ensure_compile_time_eval():
             found = program(data)
-    fns, values = jax.device_get(found)
+    fns, values, _ = jax.device_get(found)
     sites = {
-        name: Site(name, fns[name][0], fns[name][1], observed, infer, plates)
-        for name, (observed, infer, plates) in static["sites"].items()
+        name: Site(name, fns[name][0], fns[name][1], observed, infer, plates, weighted)
+        for name, (observed, infer, plates, weighted) in static["sites"].items()
     }
     releases = {
         name: site.infer["privatize"] for name, site in sites.items() if "privatize" in site.infer

@@ -413,8 +413,20 @@ def _check_prior_closed(
 
     def priors(**sampled):
         run = trace(seed(substitute(model, data=sampled), random.key(0))).get_trace(*model_args, **model_kwargs)
-        return {n: [leaf for leaf in jax.tree.leaves(run[n]["fn"]) if isinstance(leaf, jax.Array)]
-                for n in names[: last + 1]}
+        flows = {n: [leaf for leaf in jax.tree.leaves(run[n]["fn"]) if isinstance(leaf, jax.Array)]
+                 for n in names[: last + 1]}
+        # and the log densities: a user distribution without arg_constraints keeps its parameters
+        # as plain attributes, no pytree leaves; a mask or scale handler may compute from a site
+        for n in flows:
+            if n not in data_sites:
+                site = run[n]
+                log_prob = site["fn"].log_prob(site["value"])
+                if site.get("mask") is not None:
+                    log_prob = jnp.where(site["mask"], log_prob, 0.0)
+                if site.get("scale") is not None:
+                    log_prob = site["scale"] * log_prob
+                flows[n].append(jnp.sum(log_prob))
+        return flows
 
     try:
         flows = eval_provenance(priors, **{n: values[n] for n in names})
