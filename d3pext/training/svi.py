@@ -881,7 +881,7 @@ class DPSVI(SVI):
                 return
         kw = {**dyn, **dict(static)}
 
-        def param_inits(data):
+        def param_inits(data, params, rng_key):  # params and key abstract too: no op runs eagerly
             full = {**kw, **self.static_kwargs}
             inits, bounds = {}, {}
             for role, fn in (("guide", self.guide), ("model", self.model)):
@@ -894,7 +894,7 @@ class DPSVI(SVI):
             return inits, bounds, self._record_observations(params, rng_key, data, kw, found)
 
         found = {}
-        marks, bound_marks, obs_marks = dependent_outputs(param_inits, args)
+        marks, bound_marks, obs_marks = dependent_outputs(param_inits, args, params, rng_key)
         self._check_record_observations(obs_marks, found)
         bound_leaks = [name for name, m in bound_marks.items() if any(m)]
         if bound_leaks:
