@@ -363,12 +363,12 @@ def audit_dpsvi(
     guide = AutoDelta(model)
     calibrated = DPSVI(model, guide, optax.sgd(0.1), Trace_ELBO(),
                        clipping_threshold=clipping_threshold, epsilon=epsilon, delta=delta,
-                       num_steps=num_steps, sampler="poisson", clipping=clipping)
+                       num_steps=num_steps, sampler="poisson", sampling_rate=sampling_rate, clipping=clipping)
     calibrated.init(svi_key, data)
     claimed = calibrated.privacy_spent(num_steps)
     svi = DPSVI(model, guide, optax.sgd(0.1), Trace_ELBO(),
                 clipping_threshold=clipping_threshold, dp_scale=noise_factor * calibrated.dp_scale,
-                delta=delta, sampler="poisson", clipping=clipping)
+                delta=delta, sampler="poisson", sampling_rate=sampling_rate, clipping=clipping)
     result = svi.run(svi_key, num_steps, data, progress_bar=False)
     scores = np.asarray(result.params["w_auto_loc"])
     order = np.argsort(scores)
