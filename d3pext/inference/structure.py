@@ -188,7 +188,7 @@ def _is_weighted(site: dict) -> bool:
     )
 
 
-def _log_density(site: dict) -> jax.Array:
+def site_log_density(site: dict) -> jax.Array:
     """The summed log density of the sample site ``site`` as the joint sees it: ``mask`` and
     ``scale`` applied (what a site computes, from parameters that need not be pytree leaves of its
     distribution: a user class without ``arg_constraints`` keeps them as plain attributes)."""
@@ -254,7 +254,7 @@ def _traced_run(
         log_densities = {}
         if candidates:
             try:
-                log_densities = {name: _log_density(site) for name, site in samples.items()}
+                log_densities = {name: site_log_density(site) for name, site in samples.items()}
             except Exception:
                 candidates = {}
         leaves = jax.tree.leaves((fns, values))

@@ -57,7 +57,7 @@ from d3pext._threads import one_model_at_a_time
 from d3pext.compile_cache import program_digest
 from d3pext.simulation import rqmc
 from d3pext.simulation.flows import FlowTrainer, conditional_spline_flow, require_flowjax
-from d3pext.inference.structure import conditioned_releases
+from d3pext.inference.structure import conditioned_releases, site_log_density
 from d3pext.releases.info import ReleaseInfo, check_made_as_analysed, release_sites
 from d3pext.validation import check_int
 
@@ -419,13 +419,7 @@ def _check_prior_closed(
         # as plain attributes, no pytree leaves; a mask or scale handler may compute from a site
         for n in flows:
             if n not in data_sites:
-                site = run[n]
-                log_prob = site["fn"].log_prob(site["value"])
-                if site.get("mask") is not None:
-                    log_prob = jnp.where(site["mask"], log_prob, 0.0)
-                if site.get("scale") is not None:
-                    log_prob = site["scale"] * log_prob
-                flows[n].append(jnp.sum(log_prob))
+                flows[n].append(site_log_density(run[n]))
         return flows
 
     try:

@@ -917,11 +917,11 @@ class DPSVI(SVI):
         """The observed values of the data plate's sites in a step's run on one record (record 0), and
         (into ``found``) each one's number of values along the data plate."""
         name = self.structure.plate_name
+        indices = jnp.zeros((1,), jnp.int32)
         if self.structure.plate_mode:
-            indices = jnp.zeros((1,), jnp.int32)
             rec_args = jax.tree.map(lambda a: jnp.broadcast_to(a[0], jnp.shape(a)), args)
         else:
-            indices, rec_args = jnp.zeros((1,), jnp.int32), jax.tree.map(lambda a: a[:1], args)
+            rec_args = jax.tree.map(lambda a: a[:1], args)
         model_trace, _ = self._run_traces(params, self._elbo_keys(rng_key)[0], rec_args, kwargs, 0, indices)
         values = {}
         for site in model_trace.values():
