@@ -582,8 +582,8 @@ def test_poisson_sampling_rate_is_stated_not_taken_from_the_private_number_of_re
             stated = svi(sampling_rate=0.1)
             stated.init(jax.random.key(0), data)
         assert stated.sampler.q == 0.1 and stated.privacy_spent(10).sampling_rate == 0.1
-    with pytest.warns(UserWarning, match=r"sampler='poisson' without sampling_rate= takes the rate q = B / N = 0\.1 "):
-        svi().init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match=r"sampler='poisson' needs its rate: .*sampling_rate=q"):
+        svi()
     with pytest.raises(ValueError, match="sampling_rate must be in"):
         svi(sampling_rate=1.5)
     with pytest.raises(ValueError, match="sampling_rate= is the rate of sampler='poisson'"):

@@ -387,7 +387,8 @@ def test_poisson_sampler_plate_mode(data):
     """sampler='poisson': add/remove accounting, the padded slots never contribute, delta includes the tail."""
     x, y = data
     svi = DPSVI(logistic, AutoDiagonalNormal(logistic), numpyro.optim.Adam(0.05), Trace_ELBO(),
-                clipping_threshold=1.0, epsilon=1.0, delta=1e-5, num_steps=50, sampler="poisson")
+                clipping_threshold=1.0, epsilon=1.0, delta=1e-5, num_steps=50, sampler="poisson",
+                sampling_rate=0.05)
     result = svi.run(jax.random.key(0), 50, x, y, progress_bar=False)
     report = result.privacy
     assert report.relation == "add_remove" and report.sampler == "PoissonSampler"
@@ -412,7 +413,7 @@ def test_ghost_and_reweighted_clipping_equal_materialized(data, form):
         else:
             model, args, bad = logistic, (x, y), (x, y_bad)
             svi = DPSVI(model, AutoDiagonalNormal(model), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=0.3,
-                        dp_scale=0.5, sampler=form, clipping=clipping)
+                        dp_scale=0.5, sampler=form, sampling_rate=0.05, clipping=clipping)
         state = svi.init(jax.random.key(1), *args)
         params = jax.tree.map(lambda p: p + 0.3, svi.optim.get_params(state.optim_state))
         outputs[clipping] = jax.jit(lambda p: svi._private_grad(p, step_key, bad, {}, True))(params)
@@ -474,7 +475,8 @@ def test_ghost_clipping_on_a_vae_equals_materialized():
     outputs = {}
     for clipping in ("materialize", "ghost"):  # "reweight" shares the ghost norms (checked above)
         svi = DPSVI(vae_model, vae_guide, numpyro.optim.Adam(0.1), Trace_ELBO(num_particles=2),
-                    clipping_threshold=2.0, dp_scale=0.5, sampler="poisson", clipping=clipping)
+                    clipping_threshold=2.0, dp_scale=0.5, sampler="poisson", sampling_rate=0.1,
+                    clipping=clipping)
         state = svi.init(jax.random.key(1), x, **kw)
         params = svi.optim.get_params(state.optim_state)
         outputs[clipping] = jax.jit(lambda p: svi._private_grad(p, jax.random.key(7), (x_bad,), kw, True))(params)

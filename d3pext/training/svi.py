@@ -382,8 +382,7 @@ class DPSVI(SVI):
     :param sampler: ``"fixed"`` or ``"poisson"`` (plate mode).
     :param sampling_rate: q of ``sampler="poisson"``. Under add/remove neighbours the number of records N
         is private, and each step is scaled by ``1 / q``: q must not be computed from the data, so state it
-        (from a public bound on N or a private release of it). Left out, it is ``B / N`` of the data plate,
-        with a warning that the fit can then reveal N.
+        (from a public bound on N or a private release of it); ``sampler="poisson"`` refuses to run without it.
     :param data_plate: name of the data plate, if it cannot be inferred.
     :param num_obs_total: N, for batch-mode models whose plate does not know the total number of records.
     :param clipping: how the clipped sum is computed; all give the same sum. ``"materialize"``: per-record
@@ -496,6 +495,14 @@ class DPSVI(SVI):
             sampling_rate = float(sampling_rate)
             if not 0 < sampling_rate <= 1:
                 raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
+        elif isinstance(sampler, str) and sampler == "poisson":
+            # q = B / N would come from N, which add/remove neighbours keep private (each step is scaled by 1 / q)
+            raise ValueError(
+                "sampler='poisson' needs its rate: DPSVI(..., sampler='poisson', sampling_rate=q), with q chosen "
+                "without looking at the data. Under add/remove neighbours the number of records N is private, and "
+                "each step's gradient is scaled by 1 / q, so a rate taken as B / N of the data would reveal N. If N "
+                "is public, sampling_rate=B / N is the usual choice."
+            )
         self.sampling_rate = sampling_rate
         if num_obs_total is not None and (int(num_obs_total) != num_obs_total or num_obs_total < 1):
             raise ValueError(f"num_obs_total must be a positive integer, got {num_obs_total}")
@@ -628,19 +635,7 @@ class DPSVI(SVI):
                 )
             return given
         if structure.plate_mode and given == "poisson":
-            rate = self.sampling_rate
-            if rate is None:
-                rate = structure.batch_size / structure.num_records
-                warnings.warn(
-                    f"sampler='poisson' without sampling_rate= takes the rate q = B / N = {rate:.4g} from the number of "
-                    f"records N = {structure.num_records}, which add/remove neighbours keep private: each step's "
-                    "gradient is scaled by 1 / q and the accounting uses q, so the released parameters can reveal N. "
-                    "State the rate, DPSVI(..., sampler='poisson', sampling_rate=q), with q chosen without looking at "
-                    "the data (from a public bound on N, or a private release of it).",
-                    UserWarning,
-                    stacklevel=5,
-                )
-            return PoissonSampler(structure.num_records, rate)
+            return PoissonSampler(structure.num_records, self.sampling_rate)
         return FixedSizeSampler(structure.num_records, structure.batch_size)
 
     def _report_delta(self) -> float:
