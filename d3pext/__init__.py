@@ -24,6 +24,7 @@ The everyday names are importable from the top level, lazily (``import d3pext`` 
 heavy)::
 
     from d3pext import DPSVI, privatize, private_posterior, make_release, LaplaceMechanism
+    from d3pext import save_releases, load_releases  # curator and analyst in different processes
 
 Modules moved by the restructuring of version 0.2 keep working under their old paths
 (``d3pext.svi``, ``d3pext.mechanisms``, ``d3pext.bounded``, ...) with a ``DeprecationWarning``.
@@ -49,6 +50,8 @@ _LAZY = {
     "privatize": "d3pext.handlers.privatize",
     "privatize_counts": "d3pext.handlers.privatize",
     "make_release": "d3pext.handlers.privatize",
+    "save_releases": "d3pext.releases.files",
+    "load_releases": "d3pext.releases.files",
     "private_posterior": "d3pext.handlers.posterior",
     "sample_releases": "d3pext.handlers.posterior",
     "register_backend": "d3pext.inference.registry",

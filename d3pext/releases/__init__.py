@@ -4,5 +4,7 @@
   (law of a release, its draw, its noise quantiles, its privacy cost);
 - :mod:`~d3pext.releases.counts`: mechanisms for locally private counts (seed 002);
 - :mod:`~d3pext.releases.info`: ``ReleaseInfo``, the metadata of a release site, and
-  ``release_sites``.
+  ``release_sites``;
+- :mod:`~d3pext.releases.files`: ``save_releases`` / ``load_releases``, releases on disk with the
+  settings they were made with.
 """

@@ -17,7 +17,7 @@ import numpy as np
 
 from numpyro.primitives import CondIndepStackFrame
 
-__all__ = ["CONFIDENTIAL", "ReleaseInfo", "release_sites"]
+__all__ = ["CONFIDENTIAL", "ReleaseInfo", "describe_release", "release_sites"]
 
 
 CONFIDENTIAL = "d3pext_confidential"
@@ -69,15 +69,19 @@ def release_sites(model_trace: Mapping[str, dict]) -> dict[str, ReleaseInfo]:
     }
 
 
-# --- releases made in this process, so that an analysis under other settings is caught -----------
+# --- releases made in this process or read from a release file, so that an analysis under other settings is caught
 
-_MADE: dict[int, tuple[weakref.ref, ReleaseInfo]] = {}
+_MADE: dict[int, tuple[weakref.ref, dict[str, Any], str]] = {}
 _MADE_LOCK = threading.Lock()
 
 
-def remember_release(value: Any, info: ReleaseInfo) -> None:
-    """Note that ``value`` (an array :func:`~d3pext.handlers.privatize.make_release` returned) was released as
-    ``info``, for as long as the array lives."""
+def remember_release(
+    value: Any, info: ReleaseInfo | Mapping[str, Any], origin: str = "by make_release in this process"
+) -> None:
+    """Note that ``value`` (an array :func:`~d3pext.handlers.privatize.make_release` returned, or one read
+    from a release file) was released as ``info`` (a :class:`ReleaseInfo` or its :func:`describe_release`),
+    for as long as the array lives. ``origin`` says where the settings come from, for error messages."""
+    described = describe_release(info) if isinstance(info, ReleaseInfo) else dict(info)
     key = id(value)
 
     def forget(ref: weakref.ref, key: int = key) -> None:
@@ -90,19 +94,40 @@ def remember_release(value: Any, info: ReleaseInfo) -> None:
     except TypeError:  # an object without weak references: not remembered
         return
     with _MADE_LOCK:
-        _MADE[key] = (ref, info)
+        _MADE[key] = (ref, described, origin)
 
 
-def _made_as(value: Any) -> ReleaseInfo | None:
+def made_as(value: Any) -> tuple[dict[str, Any], str] | None:
+    """The settings ``value`` was released with and where they come from, if this process made or read it."""
     with _MADE_LOCK:
         entry = _MADE.get(id(value))
-    return entry[1] if entry is not None and entry[0]() is value else None
+    return (entry[1], entry[2]) if entry is not None and entry[0]() is value else None
 
 
-def _describe(info: ReleaseInfo) -> dict[str, Any]:
+def _plain(value: Any) -> Any:
+    """``value`` as JSON types (numbers, strings, ``None`` and nested lists)."""
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    array = np.asarray(value)
+    if array.dtype.kind in "iub":
+        return array.astype(np.int64).tolist() if array.dtype.kind != "b" else array.tolist()
+    return array.astype(np.float64).tolist()
+
+
+def describe_release(info: ReleaseInfo) -> dict[str, Any]:
+    """The settings of a release as plain values (JSON types): what an analysis must assume.
+
+    >>> from d3pext.releases.mechanisms import LaplaceMechanism
+    >>> info = ReleaseInfo("x_dp", "x", "sufficient", LaplaceMechanism(0.5, sensitivity=1.0), None,
+    ...                    "truncate", 10, (), ())
+    >>> describe_release(info)["epsilon"], describe_release(info)["mechanism"]
+    (0.5, 'LaplaceMechanism')
+    """
     mechanism = info.mechanism
     cost = mechanism.cost()
-    return {
+    described = {
         "statistic": info.statistic,
         "bounds": info.bounds,
         "bounds_method": info.bounds_method if info.bounds is not None else None,
@@ -115,6 +140,7 @@ def _describe(info: ReleaseInfo) -> dict[str, Any]:
         "sensitivity": mechanism.sensitivity,
         **{f"noise {k}": v for k, v in mechanism.noise_parameters().items()},
     }
+    return {k: _plain(v) for k, v in described.items()}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -129,19 +155,21 @@ def _same(a: Any, b: Any) -> bool:
 
 def check_made_as_analysed(name: str, value: Any, analysed: ReleaseInfo) -> None:
     """Refuse to analyse ``value`` as the release ``analysed`` describes if this process made it
-    (:func:`~d3pext.handlers.privatize.make_release`) with other settings: the posterior would assume other
+    (:func:`~d3pext.handlers.privatize.make_release`) or read it from a release file
+    (:func:`~d3pext.releases.files.load_releases`) with other settings: the posterior would assume other
     noise, bounds or records than the release has (a release drawn at epsilon 0.05 and analysed as
-    epsilon 1 gave a posterior half as wide as it should be). Values this process did not make are
-    not checked: an analyst must declare the mechanism that the curator used."""
-    made = _made_as(value)
+    epsilon 1 gave a posterior half as wide as it should be). Other values are not checked: an analyst
+    must declare the mechanism that the curator used."""
+    made = made_as(value)
     if made is None:
         return
-    ours, theirs = _describe(made), _describe(analysed)
+    ours, origin = made
+    theirs = describe_release(analysed)
     differ = [k for k in sorted(set(ours) | set(theirs)) if not _same(ours.get(k), theirs.get(k))]
     if differ:
         detail = "; ".join(f"{k}: made with {ours.get(k)!r}, analysed as {theirs.get(k)!r}" for k in differ)
         raise ValueError(
-            f"The release {name!r} was made by make_release with other settings than the model "
+            f"The release {name!r} was made ({origin}) with other settings than the model "
             f"analyses it with ({detail}): the posterior would assume other noise than the release "
             "has. Analyse it with the privatize settings it was made with."
         )
