@@ -375,6 +375,24 @@ def test_data_and_states_must_be_the_ones_the_object_accounts_for():
     assert int(same.run(None, 5, X, init_state=done, progress_bar=False).state.num_steps) == 15
 
 
+def test_an_unplanned_object_refuses_steps_another_dpsvi_took():
+    """Without a plan (a noise multiplier given), update and privacy_spent had taken a state whose steps
+    another DPSVI took at a smaller noise multiplier and accounted them all at this one's: 10 steps at
+    sigma 0.6 then 1 at sigma 3 were reported as epsilon 0.82 (11 steps at sigma 3), while the first
+    10 alone cost 9.0."""
+    low = dpsvi(normal_model, dp_scale=0.6)
+    done = low.run(jax.random.key(1), 10, X, progress_bar=False).state
+    high = dpsvi(normal_model, dp_scale=3.0)
+    state = high.init(jax.random.key(2), X)
+    for call in (lambda: high.update(done, X), lambda: high.stable_update(done, X), lambda: high.privacy_spent(done)):
+        with pytest.raises(ValueError, match="other privacy settings"):
+            call()
+    for _ in range(3):  # its own states go on without a device read of the count
+        state, _ = high.update(state, X)
+    assert high.privacy_spent(state).num_steps == 3
+    assert low.privacy_spent(done).epsilon > 5 * high.privacy_spent(11).epsilon  # what had been reported
+
+
 def test_run_refuses_one_batch_for_all_steps():
     """Batch mode: run() would take the one batch it is given in every step, while the accountant
     counts a fresh sample of B of the N records per step; a batch of all N records is a full-batch run."""

@@ -665,6 +665,7 @@ class DPSVI(SVI):
         if self.structure is None:
             raise RuntimeError("call init (or run) first: the sampling rate comes from the model's data plate")
         if isinstance(num_steps, DPSVIState):
+            self.check_resumable(num_steps)  # steps taken by another DPSVI are not this one's to account
             num_steps = int(num_steps.num_steps)
         delta = self._report_delta() if delta is None else float(delta)
         eps = float(self._epsilon(np.array([num_steps]), delta)[0]) if num_steps else 0.0
@@ -1369,15 +1370,16 @@ class DPSVI(SVI):
             )
 
     def _check_plan(self, state: DPSVIState, num_steps: int) -> None:
-        """Refuse steps beyond the planned ``num_steps`` for which sigma was calibrated."""
-        if self.planned_steps is None or isinstance(state.num_steps, jax.core.Tracer):
+        """Refuse a state whose steps were taken with other privacy settings (:meth:`check_resumable`),
+        and steps beyond the planned ``num_steps`` for which sigma was calibrated."""
+        if isinstance(state.num_steps, jax.core.Tracer):
             return
         done = self._known_steps.get(id(state.num_steps))
         if done is None:  # a state this object did not return: read the count (waits for the device)
             self.check_resumable(state)
             done = int(state.num_steps)
             self._remember_steps(state.num_steps, done)
-        if done + num_steps > self.planned_steps:
+        if self.planned_steps is not None and done + num_steps > self.planned_steps:
             raise ValueError(
                 f"{num_steps} more step(s) after {done} exceed the planned num_steps={self.planned_steps} for which "
                 f"sigma={self.dp_scale:.4g} was calibrated: the privacy target would be exceeded. To go on knowingly, "
@@ -1447,8 +1449,8 @@ class DPSVI(SVI):
         """Remember the step count of a state returned by update, so that the plan check of the next
         update needs no device-to-host read (which would wait for this step to finish)."""
         done = self._known_steps.get(id(old.num_steps))
-        if self.planned_steps is not None and done is not None:
-            self._remember_steps(out[0].num_steps, min(done + 1, self.planned_steps))
+        if done is not None:
+            self._remember_steps(out[0].num_steps, done + 1 if self.planned_steps is None else min(done + 1, self.planned_steps))
         return out
 
     def _remember_steps(self, count: jax.Array, value: int) -> None:
