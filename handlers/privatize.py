@@ -587,6 +587,9 @@ def make_release(
     releases = {}
     for i, (name, info) in enumerate(infos.items()):
         key = None if rng_key is None else jax.random.fold_in(model_key, i)
-        releases[name] = info.mechanism.release(key, statistics[name], reproducible=True)
+        local = info.statistic == "records"  # one statistic per record: each on its own grid
+        releases[name] = info.mechanism.release(
+            key, statistics[name], reproducible=True, statistic_shape=info.stat_shape if local else None
+        )
         remember_release(releases[name], info)  # an analysis under other settings is refused
     return releases

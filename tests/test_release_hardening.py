@@ -265,3 +265,27 @@ def test_clamp_bounds_are_rounded_inwards_to_the_records_precision():
     with pytest.raises(ValueError, match="hold no float32 value"):
         trace(seed(privatize(model, site="x", mechanism=LaplaceMechanism(1.0), bounds=(a, a + 1e-3),
                              bounds_method="clamp"), 0)).get_trace(jnp.asarray(x))
+
+
+def test_a_local_release_puts_each_record_on_its_own_grid():
+    """statistic="records": neighbours differ in one record's statistic, so each record is released on
+    its own grid (unit sensitivity / resolution). On one grid for the whole vector (unit sensitivity /
+    (resolution n)) a release of 4000 records near 1000 sensitivities had been refused as too large."""
+    n = 4000
+
+    def model(x=None):
+        lam = numpyro.sample("lam", dist.Gamma(1.0, 1.0))
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Exponential(lam), obs=x)
+
+    private = privatize(model, site="x", mechanism=LaplaceMechanism(1.0), statistic="records",
+                        bounds=(1e3, 1e3 + 1.0), bounds_method="clamp")
+    x = np.full(n, 1e3 + 0.5, np.float32)
+    release = np.asarray(make_release(private, x, rng_key=0, reproducible=True)["x_dp"], np.float64)
+    assert release.shape == (n,)
+    units = release * 1024  # the default resolution; sensitivity 1
+    np.testing.assert_array_equal(units, np.round(units))
+    # Laplace noise of scale (1 + 1/resolution) / epsilon: mean |noise| within 3 standard errors
+    assert abs(np.abs(release - x).mean() / (1 + 1 / 1024) - 1) < 3 / np.sqrt(n)
+    with pytest.raises(ValueError, match=r"statistic_shape \(3,\) must be the trailing shape"):
+        LaplaceMechanism(1.0, sensitivity=1.0).release(None, np.zeros((3, 2)), statistic_shape=(3,))

@@ -271,7 +271,12 @@ class Mechanism(abc.ABC):
         """Curator-side checks of a concrete confidential value (none by default)."""
 
     def release(
-        self, rng_key: Optional[Array], value: ArrayLike, *, reproducible: bool = False
+        self,
+        rng_key: Optional[Array],
+        value: ArrayLike,
+        *,
+        reproducible: bool = False,
+        statistic_shape: Optional[tuple[int, ...]] = None,
     ) -> Array:
         """Draw a release of ``value`` (the curator's side).
 
@@ -281,8 +286,20 @@ class Mechanism(abc.ABC):
             (:class:`ReproducibleReleaseWarning`) unless ``reproducible=True``, for simulations
             and tests.
         :param value: the confidential statistic; it must be finite.
+        :param statistic_shape: for a local release (one statistic per record, as
+            ``privatize(..., statistic="records")`` makes), the shape of one record's statistic:
+            ``value`` stacks them along its leading axes, and the sensitivity bounds each record's
+            change. Neighbours then differ in one record's statistic only, so each is released on its
+            own grid (float-safe mechanisms); ``None``: ``value`` is one statistic.
         """
-        return self._release(rng_key, value, None, reproducible)
+        if statistic_shape is not None:
+            statistic_shape = tuple(int(k) for k in statistic_shape)
+            shape = np.shape(value)
+            if shape[len(shape) - len(statistic_shape):] != statistic_shape or len(shape) < len(statistic_shape):
+                raise ValueError(
+                    f"statistic_shape {statistic_shape} must be the trailing shape of the value's {shape}."
+                )
+        return self._release(rng_key, value, None, reproducible, statistic_shape)
 
     def release_many(
         self, rng_key: Optional[Array], value: ArrayLike, num: int, *, reproducible: bool = False
@@ -293,7 +310,9 @@ class Mechanism(abc.ABC):
             raise ValueError(f"num must be a positive integer, got {num!r}")
         return self._release(rng_key, value, int(num), reproducible)
 
-    def _release(self, rng_key, value, num: Optional[int], reproducible: bool) -> Array:
+    def _release(
+        self, rng_key, value, num: Optional[int], reproducible: bool, statistic_shape: Optional[tuple] = None
+    ) -> Array:
         self._require_sensitivity()
         if not_jax_tracer(value):
             check_finite(value, f"{type(self).__name__}.release: the confidential value",
@@ -311,7 +330,10 @@ class Mechanism(abc.ABC):
                 )
             value = np.asarray(value)
             values = value if num is None else np.broadcast_to(value, (num, *value.shape))
-            return jnp.asarray(self._exact_draw(KeyBits(rng_key), values, value.size))
+            size = value.size if statistic_shape is None else math.prod(statistic_shape)
+            if size == 0:
+                return jnp.asarray(value)
+            return jnp.asarray(self._exact_draw(KeyBits(rng_key), values, size))
         if num is None:
             return _draw(self, rng_key, jnp.asarray(value))
         keys = jax.random.split(rng_key, num)
