@@ -272,13 +272,20 @@ def test_poisson_batch_size_and_tail():
         assert sampler.tail_probability == dist.sf(m) <= 1e-12
         assert m == 1 or dist.sf(m - 1) > 1e-12
         assert sampler.padded_size == m and sampler.q == q
+        # accounted at the bound that every neighbour's default meets, not at a function of the private N
+        assert sampler.accounted_tail_probability == (1e-12 if q < 1 else 0.0)
+        assert sampler.extra_delta(1.0, 100) == pytest.approx((1 + math.e) * 100 * sampler.accounted_tail_probability)
     full = PoissonSampler(50, 1.0)
-    assert full.max_batch_size == 50 and full.tail_probability == 0.0
+    assert full.max_batch_size == 50 and full.tail_probability == full.accounted_tail_probability == 0.0
     sampler = PoissonSampler(1000, 0.05, max_batch_size=60)
     p_tail = stats.binom(1000, 0.05).sf(60)
     assert sampler.tail_probability == p_tail
     assert sampler.relation is Relation.ADD_REMOVE
-    assert sampler.extra_delta(1.0, 100) == pytest.approx((1 + math.e) * 100 * p_tail)
+    # a given B_max: the neighbour with one more record truncates more often (1.5% here, 25% at N = 200,
+    # q = 0.1, B_max = 55), and the step's delta holds only with the larger tail
+    p_neighbour = stats.binom(1001, 0.05).sf(60)
+    assert sampler.accounted_tail_probability == p_neighbour > 1.01 * p_tail
+    assert sampler.extra_delta(1.0, 100) == pytest.approx((1 + math.e) * 100 * p_neighbour)
     loose = PoissonSampler(100, 0.1, tail_bound=1e-3)
     assert loose.max_batch_size < PoissonSampler(100, 0.1).max_batch_size
 

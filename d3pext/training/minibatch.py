@@ -371,8 +371,12 @@ class PoissonSampler:
     empty (``"suppress"``). Either way one step is within total variation
     ``p_tail`` of exact Poisson sampling, and ``T`` steps within ``T * p_tail``, so a
     run that the accountant finds ``(eps, delta)``-DP is
-    ``(eps, delta + (1 + e**eps) T p_tail)``-DP: add :meth:`extra_delta`. By default
-    ``B_max`` is the smallest size with ``p_tail <= tail_bound`` (``1e-12``).
+    ``(eps, delta + p_tail + e**eps p_tail')`` per step, where ``p_tail'`` is the neighbour's: add
+    :meth:`extra_delta`, which takes the larger of the two for both. By default ``B_max`` is the smallest
+    size with ``p_tail <= tail_bound`` (``1e-12``), so every neighbour's own default meets the bound and
+    ``tail_bound`` is accounted: a public number, where the exact tail would be a function of ``N``, which
+    add/remove neighbours keep private. A given ``B_max`` is accounted at the tail of ``N + 1`` records
+    (the larger neighbour's, up to 25% above ``N``'s).
 
     Args:
         num_records: ``N``, ``1 <= N < 2**31``.
@@ -395,6 +399,9 @@ class PoissonSampler:
     tail_bound: float = 1e-12
     oversized: Literal["truncate", "suppress"] = "truncate"
     tail_probability: float = dataclasses.field(init=False)
+    #: the tail probability :meth:`extra_delta` accounts: ``tail_bound`` for the default ``B_max``, else
+    #: the tail of ``N + 1`` records (the neighbour whose tail is the larger)
+    accounted_tail_probability: float = dataclasses.field(init=False, compare=False)
     _count_offset: int = dataclasses.field(init=False, repr=False)
     _count_table: np.ndarray = dataclasses.field(init=False, repr=False, compare=False)
     relation: ClassVar[Relation] = Relation.ADD_REMOVE
@@ -408,7 +415,8 @@ class PoissonSampler:
         if self.oversized not in ("truncate", "suppress"):
             raise ValueError(f"oversized must be 'truncate' or 'suppress', got {self.oversized!r}")
         dist = _binomial(n, q)
-        if self.max_batch_size is None:
+        default_size = self.max_batch_size is None
+        if default_size:
             size = int(dist.isf(tail_bound))
             # isf is a float search: settle on the smallest size whose tail is small enough
             while size < n and dist.sf(size) > tail_bound:
@@ -423,6 +431,8 @@ class PoissonSampler:
         for name, value in [
             ("num_records", n), ("sampling_rate", q), ("max_batch_size", size),
             ("tail_bound", tail_bound), ("tail_probability", float(dist.sf(size))),
+            ("accounted_tail_probability",
+             (0.0 if q == 1.0 else tail_bound) if default_size else float(_binomial(n + 1, q).sf(size))),
             ("_count_offset", offset), ("_count_table", table),
         ]:
             object.__setattr__(self, name, value)
@@ -449,17 +459,18 @@ class PoissonSampler:
         return _poisson_batch(self, rng_key)
 
     def extra_delta(self, epsilon: float, num_steps: int) -> float:
-        """``(1 + e**epsilon) * num_steps * tail_probability``, to add to delta.
+        """``(1 + e**epsilon) * num_steps * accounted_tail_probability``, to add to delta.
 
-        >>> PoissonSampler(1000, 0.5, max_batch_size=1000).extra_delta(1.0, 10**4)
-        0.0
+        >>> PoissonSampler(1000, 0.5, max_batch_size=1000).extra_delta(1.0, 10**4) < 1e-290
+        True
         """
         epsilon, num_steps = _check_extra_delta_args(epsilon, num_steps)
-        if self.tail_probability == 0.0:
+        tail = self.accounted_tail_probability
+        if tail == 0.0:
             return 0.0
         if epsilon > 700.0:  # e^epsilon overflows: no meaningful delta is left
             return math.inf
-        return (1.0 + math.exp(epsilon)) * num_steps * self.tail_probability
+        return (1.0 + math.exp(epsilon)) * num_steps * tail
 
 
 @partial(jax.jit, static_argnums=0)
