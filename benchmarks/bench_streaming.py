@@ -93,7 +93,7 @@ def child(mode: str, n: int, px: str, py: str, steps: int) -> dict:
 
     def dpsvi(sampler):
         return DPSVI(model, AutoDiagonalNormal(model), optax.adam(0.01), clipping_threshold=1.0, dp_scale=1.0,
-                     num_obs_total=n, sampler=sampler)
+                     delta=1e-5, num_obs_total=n, sampler=sampler)
 
     if mode == "streaming":
         sampler = PoissonSampler(n, q)

@@ -17,7 +17,7 @@ from numpyro.infer.autoguide import AutoDiagonalNormal
 
 from d3pext import DPSVI
 from d3pext.training.dependence import dependent_outputs, jaxpr_dependence
-from d3pext.training.minibatch import poisson_batchify_data
+from d3pext.training.minibatch import PoissonSampler, poisson_batchify_data
 
 N, B = 200, 20
 X = jax.random.normal(jax.random.key(0), (N,)) + 1.0
@@ -286,7 +286,7 @@ def test_poisson_padded_batches_with_mask_are_honoured_and_accounted_as_poisson(
     _, batchifier = init(jax.random.key(3))
     (xb,), mask = get_batch(0, batchifier)
     assert not bool(mask.all())
-    svi = dpsvi(batch_model, num_obs_total=N, sampler=get_batch.sampler)
+    svi = dpsvi(batch_model, num_obs_total=N, sampler=get_batch.sampler, delta=1e-5)
     state = svi.init(jax.random.key(0), xb, mask=mask)  # d3p scripts may pass the mask here too
     report = svi.privacy_spent(10)
     assert report.relation == "add_remove" and report.sampling_rate == pytest.approx(0.1)
@@ -335,7 +335,7 @@ def test_get_epsilon_counts_whole_epochs_and_includes_the_extra_delta():
 
     init, get_batch = poisson_batchify_data((X,), q=0.1, max_batch_size=55)  # a truncation term near delta
     (xb,), mask = get_batch(0, init(jax.random.key(3))[1])
-    svi = dpsvi(batch_model, num_obs_total=N, sampler=get_batch.sampler)
+    svi = dpsvi(batch_model, num_obs_total=N, sampler=get_batch.sampler, delta=1e-5)
     svi.init(jax.random.key(0), xb, mask=mask)
     steps, delta = 100, 1e-5
     eps = svi.get_epsilon(delta, steps)
@@ -345,7 +345,7 @@ def test_get_epsilon_counts_whole_epochs_and_includes_the_extra_delta():
     assert svi.privacy_spent(steps, delta - svi._extra_delta(eps, steps)).epsilon <= eps
     init, get_batch = poisson_batchify_data((X,), q=0.1, max_batch_size=0.99)  # no epsilon at delta = 1e-5
     (xb,), mask = get_batch(0, init(jax.random.key(3))[1])
-    svi = dpsvi(batch_model, num_obs_total=N, sampler=get_batch.sampler)
+    svi = dpsvi(batch_model, num_obs_total=N, sampler=get_batch.sampler, delta=1e-5)
     svi.init(jax.random.key(0), xb, mask=mask)
     with pytest.raises(ValueError, match="not below delta"):
         svi.get_epsilon(1e-5, 100)
@@ -591,7 +591,7 @@ def test_an_autoguide_starts_from_no_record():
 def test_poisson_sampling_rate_is_stated_not_taken_from_the_private_number_of_records():
     # add/remove neighbours differ in N: a step scaled by N / B revealed N in its noise's variance
     def svi(**kw):
-        return dpsvi(normal_model, sampler="poisson", **kw)
+        return dpsvi(normal_model, sampler="poisson", delta=1e-5, **kw)
 
     for n in (N, N + 1):
         data = jnp.concatenate([X, X[:1]])[:n]
@@ -604,5 +604,9 @@ def test_poisson_sampling_rate_is_stated_not_taken_from_the_private_number_of_re
         svi()
     with pytest.raises(ValueError, match="sampling_rate must be in"):
         svi(sampling_rate=1.5)
+    # the default delta, min(1e-5, 0.1 / N), would publish N (N = 20,000 gave delta 5e-6 in the report)
+    for sampler in ("poisson", PoissonSampler(N, 0.1)):
+        with pytest.raises(ValueError, match="Poisson sampling needs delta="):
+            dpsvi(normal_model, sampler=sampler, **({"sampling_rate": 0.1} if sampler == "poisson" else {}))
     with pytest.raises(ValueError, match="sampling_rate= is the rate of sampler='poisson'"):
         dpsvi(normal_model, sampling_rate=0.1)

@@ -132,7 +132,7 @@ def model(xb, num_obs_total=None):
 
 def make_svi(sampler, **kw):
     return DPSVI(model, AutoDiagonalNormal(model), optax.adam(0.05), Trace_ELBO(), clipping_threshold=2.0,
-                 dp_scale=1.0, num_obs_total=sampler.num_records, sampler=sampler, **kw)
+                 dp_scale=1.0, num_obs_total=sampler.num_records, sampler=sampler, **{"delta": 1e-5, **kw})
 
 
 SAMPLER = PoissonSampler(N, 0.1)
@@ -203,7 +203,7 @@ def test_fit_streaming_refuses_a_mismatched_setup(tmp_path):
     with pytest.raises(ValueError, match="sampler=batches.sampler"):
         fit_streaming(make_svi(fixed), batches, 2, jax.random.key(1))
     planned = DPSVI(model, AutoDiagonalNormal(model), optax.adam(0.05), clipping_threshold=2.0, epsilon=1.0,
-                    num_steps=3, num_obs_total=N, sampler=sampler)
+                    num_steps=3, num_obs_total=N, sampler=sampler, delta=1e-5)
     with pytest.raises(ValueError, match="planned num_steps=3"):
         fit_streaming(planned, batches, 4, jax.random.key(1))
 

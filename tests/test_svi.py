@@ -413,7 +413,7 @@ def test_ghost_and_reweighted_clipping_equal_materialized(data, form):
         else:
             model, args, bad = logistic, (x, y), (x, y_bad)
             svi = DPSVI(model, AutoDiagonalNormal(model), numpyro.optim.Adam(0.1), Trace_ELBO(), clipping_threshold=0.3,
-                        dp_scale=0.5, sampler=form, sampling_rate=0.05, clipping=clipping)
+                        dp_scale=0.5, sampler=form, sampling_rate=0.05, delta=1e-5, clipping=clipping)
         state = svi.init(jax.random.key(1), *args)
         params = jax.tree.map(lambda p: p + 0.3, svi.optim.get_params(state.optim_state))
         outputs[clipping] = jax.jit(lambda p: svi._private_grad(p, step_key, bad, {}, True))(params)
@@ -475,7 +475,7 @@ def test_ghost_clipping_on_a_vae_equals_materialized():
     outputs = {}
     for clipping in ("materialize", "ghost"):  # "reweight" shares the ghost norms (checked above)
         svi = DPSVI(vae_model, vae_guide, numpyro.optim.Adam(0.1), Trace_ELBO(num_particles=2),
-                    clipping_threshold=2.0, dp_scale=0.5, sampler="poisson", sampling_rate=0.1,
+                    clipping_threshold=2.0, dp_scale=0.5, sampler="poisson", sampling_rate=0.1, delta=1e-5,
                     clipping=clipping)
         state = svi.init(jax.random.key(1), x, **kw)
         params = svi.optim.get_params(state.optim_state)

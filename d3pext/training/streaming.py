@@ -371,7 +371,7 @@ def fit_streaming(
     ...     with numpyro.plate("data", num_obs_total, subsample_size=xb.shape[0]):
     ...         numpyro.sample("x", dist.Normal(mu, 1.0), obs=xb)
     >>> svi = DPSVI(model, AutoNormal(model), numpyro.optim.Adam(0.05), clipping_threshold=2.0,
-    ...             dp_scale=1.0, num_obs_total=5000, sampler=sampler)
+    ...             dp_scale=1.0, delta=1e-5, num_obs_total=5000, sampler=sampler)
     >>> batches = MemmapBatches(path, sampler, rng_key=jax.random.key(1))
     >>> result = fit_streaming(svi, batches, 300, jax.random.key(2))
     >>> result.losses.shape, result.privacy.relation, abs(float(result.params["mu_auto_loc"]) - 1.0) < 0.3

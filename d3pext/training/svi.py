@@ -377,7 +377,9 @@ class DPSVI(SVI):
     :param clipping_threshold: C, the bound on each record's gradient norm.
     :param dp_scale: sigma, the noise multiplier.
     :param epsilon: target epsilon (instead of ``dp_scale``).
-    :param delta: target delta; also the delta at which privacy is reported. Default ``min(1e-5, 0.1 / N)``.
+    :param delta: target delta; also the delta at which privacy is reported. Default ``min(1e-5, 0.1 / N)``
+        for the fixed-size sampler (substitute neighbours: N is public); Poisson sampling needs it given,
+        since its add/remove neighbours keep N private.
     :param num_steps: planned number of steps (required with ``epsilon``); :meth:`run` refuses to go beyond it.
     :param sampler: ``"fixed"`` or ``"poisson"`` (plate mode).
     :param sampling_rate: q of ``sampler="poisson"``. Under add/remove neighbours the number of records N
@@ -485,6 +487,12 @@ class DPSVI(SVI):
         if not (sampler in ("fixed", "poisson") or isinstance(sampler, (FixedSizeSampler, PoissonSampler))):
             raise ValueError(
                 f"sampler must be 'fixed', 'poisson', a FixedSizeSampler or a PoissonSampler, got {sampler!r}"
+            )
+        if delta is None and (isinstance(sampler, PoissonSampler) or (isinstance(sampler, str) and sampler == "poisson")):
+            raise ValueError(
+                "Poisson sampling needs delta=: its add/remove neighbours keep the number of records N private, "
+                "and the default delta, min(1e-5, 0.1 / N), would publish N with the privacy report. Choose delta "
+                "from a public bound on N, well below 1 / N (e.g. delta=1e-6 for up to 100,000 records)."
             )
         if sampling_rate is not None:
             if sampler != "poisson":
