@@ -81,6 +81,12 @@ def _exact_column_sums(rows: np.ndarray) -> np.ndarray:
     record, or records so large that a sum could overflow, go through :func:`_fsum` itself, which
     keeps its results and errors (``inf``, ``nan``, ``-inf + inf``, intermediate overflow)."""
     n, k = rows.shape
+    if n and np.all(np.isfinite(rows)):
+        peak = float(np.max(np.abs(rows), initial=0.0))
+        if peak * n < 2.0**53 and np.array_equal(rows, np.trunc(rows)):
+            # integer values (one-hot or count statistics) whose every partial sum is an integer below
+            # 2**53: float64 adds them exactly, in any order
+            return rows.sum(axis=0, dtype=np.float64)
     # |x| < 2**limit keeps the sum of n |x| below 2**1000: no partial sum (ours or fsum's) overflows
     limit = 1000 - n.bit_length()
     step = max(1, _EXACT_BLOCK // max(k, 1))
@@ -89,6 +95,10 @@ def _exact_column_sums(rows: np.ndarray) -> np.ndarray:
     for start in range(0, n, step):
         block = np.array(rows[start:start + step].T, np.float64, order="C")  # a copy: coordinates x records
         parts += _split_sums(block, fallback, limit)
+        if len(parts) > 64 or (len(parts) > 2 and len(parts) * k > 2 * _EXACT_BLOCK):
+            # the partial sums split again, exactly, into a few: memory stays about that of two blocks
+            # (the partials are below n 2**limit < 2**1000, so none is flagged)
+            parts = _split_sums(np.stack(parts, axis=1), np.zeros(k, bool), 1010)
     exact = np.stack(parts, axis=1) if parts else np.zeros((k, 0))
     return np.array(
         [_fsum(rows[:, j]) if fallback[j] else math.fsum(exact[j].tolist()) for j in range(k)], np.float64
