@@ -182,12 +182,23 @@ class privatize(Messenger):
         ``"sample_mean"`` / ``"sample_variance"`` (of scalar records clipped into ``bounds``,
         which are required; variance with denominator ``n - 1``; sensitivities ``(b - a) / n``
         and ``(b - a)^2 / n``) or a callable of the site value (then the mechanism needs an
-        explicit sensitivity).
+        explicit sensitivity, that of one record: see ``record_plate``).
     :param bounds: ``(a, b)`` on scalar records, needed when ``t(x)`` is unbounded (not with a
         callable statistic, which sees the records unclipped).
     :param bounds_method: ``"truncate"`` (drop records outside ``[a, b]``; sensitivity bound of
         Bernstein & Sheldon section 3.3) or ``"clamp"`` (clip records into ``[a, b]``).
     :param name: name of the release site.
+    :param record_plate: the plate (or plates) whose index identifies one record, the individual
+        that the privacy guarantee protects. The site's other batch elements (its cells in other
+        plates, or the distribution's own batch dims) belong to that record: with ``m`` cells per
+        record the derived sensitivities are ``m`` times one cell's (an individual moves ``m``
+        cells), also for ``"records"``, whose cells are released one by one but cost ``epsilon``
+        together. By default the site's plate when it is in exactly one (``m`` is the product of its
+        other batch dims, usually 1); a site in several plates needs it stated:
+        ``record_plate="records"`` when each individual has a cell in each of the other plates,
+        ``record_plate=("groups", "members")`` when every cell is an individual. An explicit
+        sensitivity (``mechanism.with_sensitivity``, and always for a callable statistic) is taken
+        as that of one record, all its cells, and is not scaled.
 
     **Example**
 
@@ -215,9 +226,21 @@ class privatize(Messenger):
         bounds: tuple[float, float] | None = None,
         bounds_method: Literal["truncate", "clamp"] = "truncate",
         name: str | None = None,
+        record_plate: str | tuple[str, ...] | None = None,
     ) -> None:
         if not isinstance(site, str):
             raise TypeError(f"site must be a site name (str), got {type(site).__name__}.")
+        if record_plate is not None:
+            plates = (record_plate,) if isinstance(record_plate, str) else record_plate
+            if not (
+                isinstance(plates, (tuple, list)) and plates
+                and all(isinstance(p, str) for p in plates) and len(set(plates)) == len(plates)
+            ):
+                raise ValueError(
+                    "record_plate must be a plate name or a tuple of distinct plate names, "
+                    f"got {record_plate!r}."
+                )
+            record_plate = tuple(plates)
         for attr in ("epsilon", "sensitivity", "release_distribution", "with_sensitivity", "cost"):
             if not hasattr(mechanism, attr):
                 raise TypeError(
@@ -268,6 +291,7 @@ class privatize(Messenger):
         self.bounds = bounds
         self.bounds_method = bounds_method
         self.name = f"{site}_dp" if name is None else name
+        self.record_plate = record_plate
         self._captured: dict | None = None
         super().__init__(fn)
 
@@ -390,10 +414,55 @@ class privatize(Messenger):
                     "(it sets n, and with it the sensitivity). Nothing was released."
                 )
 
+    def _cells_per_record(self, msg: dict, derived: bool) -> int:
+        """How many of the site's batch elements (cells) one record holds: those outside the record
+        plates. Without ``record_plate`` a derived sensitivity needs the record to be unambiguous (one
+        plate, or no plate and at most one batch dim); an explicit one is the user's, for one record."""
+        shape = jnp.shape(msg["value"])
+        batch_shape = shape[:len(shape) - len(getattr(msg["fn"], "event_shape", ()))]
+        frames = sorted(msg["cond_indep_stack"], key=lambda frame: frame.dim)  # outermost first
+        names = tuple(frame.name for frame in frames)
+        if self.record_plate is not None:
+            unknown = [p for p in self.record_plate if p not in names]
+            if unknown:
+                raise ValueError(
+                    f"privatize({self.site!r}): record_plate names {unknown}, but the site's plates are "
+                    f"{list(names)}: name the plate(s) that index its records. Nothing was released."
+                )
+            record = [frame for frame in frames if frame.name in self.record_plate]
+        elif not derived:
+            return 1
+        elif len(frames) > 1:
+            raise ValueError(
+                f"privatize({self.site!r}): the site is in the plates {list(names)}, and which of them "
+                "identifies one record (the individual that the privacy guarantee protects) sets the "
+                f"sensitivity. Pass record_plate={names[0]!r} when each individual has a cell in each of "
+                f"the other plates (the sensitivity then covers all of them), or record_plate={names!r} "
+                "when every cell is an individual. Nothing was released."
+            )
+        elif not frames:
+            if len(batch_shape) > 1:
+                raise ValueError(
+                    f"privatize({self.site!r}): the site is in no plate and has batch shape {batch_shape}: "
+                    "which dims index its records is not known. Put the records in a numpyro.plate (the "
+                    "other dims in plates or in the distribution's batch shape; with several plates pass "
+                    "record_plate). Nothing was released."
+                )
+            return 1
+        else:
+            record = frames
+        axes = {len(batch_shape) + frame.dim for frame in record}
+        cells = [size for axis, size in enumerate(batch_shape) if axis not in axes]
+        return int(np.prod(cells, dtype=np.int64))
+
     def _emit(self, msg: dict) -> None:
         if msg["is_observed"]:
             self._check_records(msg)
         stat, derived, n, stat_shape = self._statistic(msg)
+        # an individual moves each of its cells by at most one cell's sensitivity (L1 and L2 alike)
+        cells = self._cells_per_record(msg, derived is not None)
+        if derived is not None and cells != 1:
+            derived = derived * cells
         if msg["is_observed"] and _is_concrete(stat):
             check_finite(stat, f"privatize({self.site!r}): the released statistic",
                          "check the confidential data. Nothing was released.")
@@ -418,6 +487,7 @@ class privatize(Messenger):
             num_records=n,
             stat_shape=tuple(stat_shape),
             plates=plates,
+            cells_per_record=cells,
         )
         release_dist = mechanism.release_distribution(stat)
         if len(stat_shape):

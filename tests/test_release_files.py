@@ -152,7 +152,7 @@ def test_only_releases_with_known_settings_are_saved_and_files_are_not_replaced(
 
 def _edited(tmp_path, edit):
     _, release = _released()
-    path = save_releases(tmp_path / "release.json", release)
+    path = save_releases(tmp_path / "release.json", release, overwrite=True)
     content = json.loads(path.read_text())
     edit(content)
     path.write_text(json.dumps(content))
@@ -212,3 +212,48 @@ def test_a_release_file_then_a_posterior(tmp_path):
         mcmc.run(jax.random.key(0), 40)
         draws[name] = np.asarray(mcmc.get_samples()["theta"])
     np.testing.assert_array_equal(draws["made"], draws["loaded"])
+
+
+def _counts_model(y=None):
+    rate = numpyro.sample("rate", dist.Gamma(1.0, 0.1))
+    with numpyro.plate("cells", 4):
+        numpyro.sample("y", dist.Poisson(rate), obs=y)
+
+
+def test_per_count_alphas_are_part_of_the_settings(tmp_path):
+    """Counts released at alphas [0.05, 0.999, 0.999, 0.999] and analysed at the same alphas in
+    another order had passed (the record kept only the smallest and the largest alpha): the analysis
+    took the last count, released at alpha 0.999 (value -600), as nearly exact."""
+    from d3pext.inference.structure import inspect_model
+
+    made = HeterogeneousGeometricMechanism(jnp.array([0.05, 0.999, 0.999, 0.999]))
+    release = make_release(privatize_counts(_counts_model, site="y", mechanism=made), jnp.array([3, 0, 7, 1]),
+                           rng_key=2, reproducible=True)
+    loaded = load_releases(save_releases(tmp_path / "counts.json", release))
+    swapped = HeterogeneousGeometricMechanism(jnp.array([0.999, 0.999, 0.999, 0.05]))
+    assert swapped.epsilon == made.epsilon
+    for given in (release, loaded):
+        with pytest.raises(ValueError, match="noise alpha: made with"):
+            inspect_model(privatize_counts(_counts_model, site="y", mechanism=swapped), dict(given), (), {})
+        inspect_model(privatize_counts(_counts_model, site="y", mechanism=made), dict(given), (), {})
+    # one alpha for every count is the same law however its shape broadcasts
+    one = make_release(privatize_counts(_counts_model, site="y", mechanism=HeterogeneousGeometricMechanism(
+        jnp.array([0.5]))), jnp.array([3, 0, 7, 1]), rng_key=2, reproducible=True)
+    inspect_model(privatize_counts(_counts_model, site="y", mechanism=HeterogeneousGeometricMechanism(
+        jnp.full(4, 0.5))), dict(one), (), {})
+
+
+@pytest.mark.skipif(jax.config.jax_enable_x64, reason="checks a process with 64-bit types off")
+def test_64_bit_values_are_not_narrowed_silently(tmp_path):
+    """A curator with 64-bit types writes float64/int64 releases; a default (32-bit) JAX had narrowed
+    them without a word: 2**40 came back as 0 (int32), a mean moved by 2.9 noise scales."""
+    def edit(dtype, value):
+        def apply(content):
+            content["releases"]["x_dp"].update(dtype=dtype, value=value)
+        return apply
+
+    for dtype, value in (("float64", 1960.0071678515626), ("int64", 2**40)):
+        with pytest.raises(ValueError, match="enable them before loading"):
+            load_releases(_edited(tmp_path, edit(dtype, value)))
+    loaded = load_releases(_edited(tmp_path, edit("float64", 2.5)))  # exact in float32: kept
+    assert loaded["x_dp"].dtype == jnp.float32 and float(loaded["x_dp"]) == 2.5

@@ -148,6 +148,11 @@ class HeterogeneousGeometricMechanism(Mechanism):
             "alpha_max": float(np.max(self.alpha)),
         }
 
+    def release_parameters(self) -> dict:
+        # every count's alpha, not only the extremes: counts released at other alphas than analysed
+        # (alphas swapped between counts) kept the extremes and had passed the check
+        return {"alpha": np.asarray(self.alpha, np.float64).reshape(self._shape).tolist()}
+
 
 def _unique_rates(alpha) -> tuple[np.ndarray, list[float]]:
     """The distinct decays and their rates ``ln(1 / alpha)``, each computed once, as Python floats."""

@@ -184,6 +184,18 @@ def _read_entry(entry: Any, where: str) -> tuple[jax.Array, dict[str, Any]]:
         fits = np.array_equal(cast.astype(array.dtype), array)
     if not fits:
         raise ValueError(f"{where}: 'value' does not fit dtype {dtype.name} exactly.")
+    native = jax.dtypes.canonicalize_dtype(dtype)
+    if native != dtype:  # 64-bit types off in this process: keep the values only if they fit exactly
+        with np.errstate(over="ignore", invalid="ignore"):
+            narrowed = cast.astype(native)
+            fits = np.array_equal(narrowed.astype(dtype), cast)
+        if not fits:
+            raise ValueError(
+                f"{where}: holds {dtype.name} values that this process's JAX would change in "
+                f"{np.dtype(native).name} (64-bit types are off): enable them before loading, "
+                "jax.config.update('jax_enable_x64', True)."
+            )
+        cast = narrowed
     made_with = entry["made_with"]
     if not isinstance(made_with, dict):
         raise ValueError(f"{where}: 'made_with' must be an object.")

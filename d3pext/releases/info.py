@@ -36,9 +36,12 @@ class ReleaseInfo:
     :param bounds: declared bounds ``(a, b)`` of the records, or ``None``.
     :param bounds_method: ``"truncate"`` (records outside are dropped, Bernstein & Sheldon) or
         ``"clamp"`` (records are clipped into the bounds).
-    :param num_records: number of records of the source site.
+    :param num_records: number of cells of the source site the statistic is over (records times
+        ``cells_per_record``): the ``n`` of the sum of iid cells that the inference backends model.
     :param stat_shape: shape of the statistic of one record (or of the custom statistic).
     :param plates: the source site's plates (the release of ``"records"`` lives in them).
+    :param cells_per_record: how many cells one record (the individual, ``privatize``'s
+        ``record_plate``) holds; the sensitivity covers all of them.
     """
 
     name: str
@@ -50,6 +53,7 @@ class ReleaseInfo:
     num_records: int
     stat_shape: tuple[int, ...]
     plates: tuple[CondIndepStackFrame, ...]
+    cells_per_record: int = 1
 
     @property
     def sensitivity(self) -> float:
@@ -117,7 +121,8 @@ def _plain(value: Any) -> Any:
 
 
 def describe_release(info: ReleaseInfo) -> dict[str, Any]:
-    """The settings of a release as plain values (JSON types): what an analysis must assume.
+    """The settings of a release as plain values (JSON types): what an analysis must assume
+    (``cells_per_record`` only when one record holds several cells).
 
     >>> from d3pext.releases.mechanisms import LaplaceMechanism
     >>> info = ReleaseInfo("x_dp", "x", "sufficient", LaplaceMechanism(0.5, sensitivity=1.0), None,
@@ -138,18 +143,25 @@ def describe_release(info: ReleaseInfo) -> dict[str, Any]:
         "epsilon": cost.epsilon,
         "delta": cost.delta,
         "sensitivity": mechanism.sensitivity,
-        **{f"noise {k}": v for k, v in mechanism.noise_parameters().items()},
+        **{f"noise {k}": v for k, v in mechanism.release_parameters().items()},
     }
+    if info.cells_per_record != 1:
+        # only when not 1: releases described before it existed (release files) still match
+        described["cells_per_record"] = info.cells_per_record
     return {k: _plain(v) for k, v in described.items()}
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, broadcast: bool = False) -> bool:
+    """Equal settings; with ``broadcast`` (per-element noise parameters) equal once broadcast: an alpha
+    of shape (1,) is that alpha for every count."""
     if isinstance(a, str) or isinstance(b, str) or a is None or b is None:
         return a == b
     try:
         a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    except (TypeError, ValueError):
-        return a == b
+        if broadcast:
+            a, b = np.broadcast_arrays(a, b)
+    except (TypeError, ValueError):  # not numbers, or shapes that do not broadcast (other laws)
+        return False
     return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-9, atol=0.0))
 
 
@@ -165,7 +177,11 @@ def check_made_as_analysed(name: str, value: Any, analysed: ReleaseInfo) -> None
         return
     ours, origin = made
     theirs = describe_release(analysed)
-    differ = [k for k in sorted(set(ours) | set(theirs)) if not _same(ours.get(k), theirs.get(k))]
+    ours, theirs = ({"cells_per_record": 1, **d} for d in (ours, theirs))  # described only when not 1
+    differ = [
+        k for k in sorted(set(ours) | set(theirs))
+        if not _same(ours.get(k), theirs.get(k), broadcast=k.startswith("noise "))
+    ]
     if differ:
         detail = "; ".join(f"{k}: made with {ours.get(k)!r}, analysed as {theirs.get(k)!r}" for k in differ)
         raise ValueError(

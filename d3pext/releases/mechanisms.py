@@ -256,6 +256,11 @@ class Mechanism(abc.ABC):
         """The noise parameters recorded with the cost (``scale``, ``sigma``, ``alpha``, ...)."""
         return {}
 
+    def release_parameters(self) -> dict:
+        """The noise parameters in full, recorded with each release
+        (:func:`~d3pext.releases.info.describe_release`): an analysis must assume exactly these."""
+        return self.noise_parameters()
+
     def cost(self) -> PrivacyCost:
         """The privacy cost of one release, for the ledger."""
         return PrivacyCost(
