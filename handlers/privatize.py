@@ -422,6 +422,12 @@ class privatize(Messenger):
         batch_shape = shape[:len(shape) - len(getattr(msg["fn"], "event_shape", ()))]
         frames = sorted(msg["cond_indep_stack"], key=lambda frame: frame.dim)  # outermost first
         names = tuple(frame.name for frame in frames)
+        if len(set(names)) < len(names) and (derived or self.record_plate is not None):
+            # NumPyro nests plates of one name; a name then no longer says which dim is the individual
+            raise ValueError(
+                f"privatize({self.site!r}): the site's plates {list(names)} share a name: give each plate "
+                "its own name, so that which of them identifies one record is unambiguous. Nothing was released."
+            )
         if self.record_plate is not None:
             unknown = [p for p in self.record_plate if p not in names]
             if unknown:

@@ -207,3 +207,18 @@ def test_single_plate_models_keep_their_sensitivities():
             made = made_as(release[name])[0]
             assert made["sensitivity"] == sensitivity and made["num_records"] == 10
             assert "cells_per_record" not in made
+
+
+def test_plates_sharing_a_name_are_refused():
+    """NumPyro nests two plates of one name; record_plate="records" had matched both, so every cell was
+    taken as an individual: sensitivity 1 where a row of 4 cells moves the sum by 4."""
+    def model(x=None):
+        theta = numpyro.sample("theta", dist.Beta(1.0, 1.0))
+        with numpyro.plate("records", 5, dim=-2), numpyro.plate("records", 4, dim=-1):
+            numpyro.sample("x", dist.Bernoulli(theta), obs=x)
+
+    x = jnp.ones((5, 4))
+    for record_plate in ("records", None):
+        private = privatize(model, site="x", mechanism=LaplaceMechanism(1.0), record_plate=record_plate)
+        with pytest.raises(ValueError, match="share a name"):
+            make_release(private, x, rng_key=0, reproducible=True)
