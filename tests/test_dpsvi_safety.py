@@ -610,3 +610,38 @@ def test_poisson_sampling_rate_is_stated_not_taken_from_the_private_number_of_re
             dpsvi(normal_model, sampler=sampler, **({"sampling_rate": 0.1} if sampler == "poisson" else {}))
     with pytest.raises(ValueError, match="sampling_rate= is the rate of sampler='poisson'"):
         dpsvi(normal_model, sampling_rate=0.1)
+
+
+def test_the_record_plate_is_named_when_observations_share_several_plates():
+    """Observed sites in a plate of individuals and a subsampled plate of genes: DPSVI had taken the
+    subsampled plate for the records, and with as many genes a batch as individuals, a fit on every
+    individual's row in every step was accounted at q = 8 / 200 (epsilon 1.14 for 3 steps, against
+    20.1 at the true q = 1)."""
+    n, d, k = 8, 200, 8
+    y = jnp.asarray(np.random.default_rng(0).normal(size=(n, d)), jnp.float32)
+
+    def model(y):
+        mu = numpyro.param("mu", jnp.zeros(d))
+        with numpyro.plate("individuals", n, dim=-2):
+            with numpyro.plate("genes", d, subsample_size=k, dim=-1) as g:
+                numpyro.sample("y", dist.Normal(mu[g], 1.0), obs=numpyro.subsample(y, event_dim=0))
+
+    svi = DPSVI(model, lambda y: None, numpyro.optim.SGD(0.01), Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)
+    with pytest.raises(ValueError, match=r"all in the plates \['genes', 'individuals'\]: name the plate"):
+        svi.init(jax.random.key(0), y)
+
+
+def test_record_data_passed_by_keyword_in_another_layout_is_refused():
+    """Covariates of the records laid out (features, records) by keyword passed the rows-only check, and a
+    global prior at their mean moved the noise-free gradient by 337 against a bound of 4."""
+    n, b, d = 6, 3, 4
+    y = jnp.asarray(np.random.default_rng(0).normal(size=(n,)), jnp.float32)
+    xt = jnp.ones((d, n))
+
+    def model(y, xt=None):
+        w = numpyro.sample("w", dist.Normal(jnp.mean(xt, axis=1), 1.0).to_event(1))
+        with numpyro.plate("data", n, subsample_size=b) as idx:
+            numpyro.sample("y", dist.Normal(xt[:, idx].T @ w, 1.0), obs=numpyro.subsample(y, event_dim=0))
+
+    with pytest.raises(ValueError, match=r"keyword argument 'xt' has an axis of 6 \(shape \(4, 6\)\), as many as the data"):
+        dpsvi(model).init(jax.random.key(0), y, xt=xt)

@@ -298,7 +298,7 @@ def _num_records(args) -> Optional[int]:
 
 
 def _check_keyword_arrays(args, kwargs: dict, static_kwargs: Optional[dict] = None) -> None:
-    """Refuse a keyword array with as many rows as the positional data: it is almost surely record data,
+    """Refuse a keyword array with an axis as long as the positional data: it is almost surely record data,
     and DPSVI treats keyword arrays as public. Only positional data is subsampled by its sampler, kept
     apart record by record, and proven not to reach the unclipped global terms; a record array passed
     by keyword (to a call, or to the constructor: ``static_kwargs``) would escape all three (a global
@@ -310,9 +310,11 @@ def _check_keyword_arrays(args, kwargs: dict, static_kwargs: Optional[dict] = No
     given += [(name, value, " given to DPSVI's constructor") for name, value in (static_kwargs or {}).items()]
     for name, value, where in given:
         if name != "mask" and isinstance(value, (jax.Array, np.ndarray)) and jnp.ndim(value) > 0:
-            if jnp.shape(value)[0] == num_records:
+            shape = tuple(jnp.shape(value))
+            if num_records in shape:  # on any axis: record data laid out (D, N) is record data too
+                what = f"{num_records} rows" if shape[0] == num_records else f"an axis of {num_records} (shape {shape})"
                 raise ValueError(
-                    f"keyword argument {name!r}{where} has {num_records} rows, as many as the data: DPSVI treats "
+                    f"keyword argument {name!r}{where} has {what}, as many as the data: DPSVI treats "
                     "keyword arrays as public (not clipped, and the global terms may use them), so record data must "
                     f"be passed positionally, e.g. run(key, num_steps, x, {name}) for model(x, {name}=None). A public "
                     f"array that only happens to have {num_records} rows can be bound to the model instead "
@@ -572,6 +574,14 @@ class DPSVI(SVI):
                     "no data plate: every observed site must be inside one numpyro.plate over the records "
                     f"(observed sites: {[s['name'] for s in observed]}). DPSVI clips per record, so it must know "
                     "which dimension indexes records."
+                )
+            several = sorted(n for n in common if plates[n]["args"][0] > 1)
+            if len(several) > 1:
+                # which plate indexes individuals is the user's to say (as privatize's record_plate): picked by
+                # subsampling, a subsampled "genes" plate whose size matched the batch had been taken for the records
+                raise ValueError(
+                    f"the observed sites are all in the plates {several}: name the plate whose index is one record "
+                    "(the individual that is clipped and protected) with DPSVI(..., data_plate=...)"
                 )
             subsampled = [n for n in common if plates[n]["args"][1] not in (None, plates[n]["args"][0])]
             candidates = subsampled or sorted(common)
