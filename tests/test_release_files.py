@@ -44,12 +44,16 @@ X = jnp.asarray(np.arange(40) % 3 == 0, jnp.int32)
 Y = jnp.asarray(np.linspace(-1.0, 2.0, 40), jnp.float32)
 
 
-def _released(epsilon=0.05):
-    private = privatize(
+def _private(epsilon=0.05, bounds=(-3.0, 3.0)):
+    return privatize(
         privatize(both, site="x", mechanism=LaplaceMechanism(epsilon)),
-        site="y", mechanism=GaussianMechanism(0.5, 1e-6), statistic="sample_mean", bounds=(-3.0, 3.0),
+        site="y", mechanism=GaussianMechanism(0.5, 1e-6), statistic="sample_mean", bounds=bounds,
         bounds_method="clamp",
     )
+
+
+def _released(epsilon=0.05):
+    private = _private(epsilon)
     return private, make_release(private, 40, X, Y, rng_key=1, reproducible=True)
 
 
@@ -90,20 +94,10 @@ def test_a_loaded_release_is_analysed_with_the_settings_it_was_made_with(tmp_pat
     del release
     gc.collect()  # the analyst's arrays are the file's, not the curator's
     loaded = load_releases(path)
-    other = privatize(
-        privatize(both, site="x", mechanism=LaplaceMechanism(1.0)),
-        site="y", mechanism=GaussianMechanism(0.5, 1e-6), statistic="sample_mean", bounds=(-3.0, 3.0),
-        bounds_method="clamp",
-    )
     with pytest.raises(ValueError, match=r"as recorded in the release file .*epsilon: made with 0.05, analysed as 1.0"):
-        Simulator(other, loaded, (40,))
-    wider = privatize(
-        privatize(both, site="x", mechanism=LaplaceMechanism(0.05)),
-        site="y", mechanism=GaussianMechanism(0.5, 1e-6), statistic="sample_mean", bounds=(-5.0, 5.0),
-        bounds_method="clamp",
-    )
+        Simulator(_private(epsilon=1.0), loaded, (40,))
     with pytest.raises(ValueError, match=r"bounds: made with \[-3.0, 3.0\], analysed as \[-5.0, 5.0\]"):
-        Simulator(wider, loaded, (40,))
+        Simulator(_private(bounds=(-5.0, 5.0)), loaded, (40,))
     Simulator(private, loaded, (40,))  # the settings it was made with
 
 
