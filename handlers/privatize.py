@@ -337,7 +337,9 @@ class privatize(Messenger):
                 )
             return self._bounded_statistic(value)
         if callable(self.statistic):
-            stat = jnp.asarray(self.statistic(value))
+            stat = self.statistic(value)
+            # a concrete NumPy statistic stays as computed (float64: jnp.asarray would round it to float32)
+            stat = np.asarray(stat) if isinstance(stat, (np.ndarray, np.generic)) else jnp.asarray(stat)
             return stat, None, int(np.prod(msg["fn"].batch_shape)), stat.shape
         record = record_distribution(msg["fn"])
         family = family_of(record)
@@ -668,6 +670,7 @@ def make_release(
     for name, statistic in statistics.items():
         check_finite(statistic, f"The statistic released at {name!r}",
                      f"check the confidential data of {infos[name].source!r}. Nothing was released.")
+
     if ledger is not None:
         ledger.record_many([(name, info.cost()) for name, info in infos.items()])
     releases = {}

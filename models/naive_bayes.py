@@ -211,6 +211,8 @@ def naive_bayes_statistic(
     [0.0, 0.5, 0.5, 0.0, 0.0, 0.5, 0.0, 0.5]
     """
     num_classes, levels = _check_levels(num_classes, levels)
+    if not isinstance(records, jax.core.Tracer):
+        return _exact_proportions(np.asarray(records), num_classes, levels)
     records = jnp.asarray(records)
     n = records.shape[-2]
     y = jax.nn.one_hot(records[..., 0], num_classes)
@@ -219,6 +221,21 @@ def naive_bayes_statistic(
         for k, j in enumerate(levels)
     ]
     return (jnp.concatenate(counts, -1) / n).reshape(*records.shape[:-2], -1)
+
+
+def _exact_proportions(records: np.ndarray, num_classes: int, levels: tuple[int, ...]) -> np.ndarray:
+    """The curator's statistic: integer counts divided by ``n`` in float64 (float32 proportions had moved
+    between neighbours by up to 1.19x the sensitivity 2K / n at n = 1e7, beyond the release's one grid
+    unit of slack)."""
+    *batch, n, _ = records.shape
+    rows = records.reshape(-1, n, records.shape[-1]).astype(np.int64)
+    offsets = np.arange(rows.shape[0])[:, None]
+    parts = []
+    for k, j in enumerate(levels):
+        cell = offsets * (num_classes * j) + rows[..., 0] * j + rows[..., k + 1]
+        counts = np.bincount(cell.ravel(), minlength=rows.shape[0] * num_classes * j)
+        parts.append(counts.reshape(rows.shape[0], num_classes, j))
+    return (np.concatenate(parts, -1) / np.float64(n)).reshape(*batch, -1)
 
 
 def naive_bayes_sensitivity(n: int, num_features: int) -> float:

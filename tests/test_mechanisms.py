@@ -1,6 +1,7 @@
 """Checks of d3pext.releases.mechanisms: noise laws, privacy bounds, calibration, quantiles, validation."""
 
 import math
+import warnings
 
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
@@ -375,3 +376,19 @@ def test_geometric_mechanism_needs_an_integer_sensitivity():
     with pytest.raises(ValueError, match="positive integer"):
         GeometricMechanism(1.0, sensitivity=0.5)
     assert GeometricMechanism(1.0, sensitivity=2.0).alpha == pytest.approx(math.exp(-0.5))
+
+
+@pytest.mark.skipif(jax.config.jax_enable_x64, reason="checks a process with 64-bit types off")
+def test_a_release_rounded_off_its_law_by_float32_warns():
+    """A mean of 1e7 birth years at scale 1.2e-5 came back as one of 3 float32 values (error sd 4.7
+    scales instead of 1.4): the release keeps its privacy, but not the law inference assumes."""
+    from d3pext.releases.mechanisms import ReleasePrecisionWarning
+
+    with pytest.warns(ReleasePrecisionWarning, match=r"float32 numbers .* apart, more than 1/16 of the noise's scale"):
+        LaplaceMechanism(1.0, sensitivity=1.2e-5).release(None, np.float64(1989.4083912571587))
+    with pytest.warns(ReleasePrecisionWarning):
+        GaussianMechanism(1.0, 1e-5, sensitivity=1.0).release(None, np.full(2, 2e7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReleasePrecisionWarning)
+        LaplaceMechanism(1.0, sensitivity=1.0).release(None, np.float64(2e5))
+        GeometricMechanism(1.0).release(None, np.int64(2 * 10**7))

@@ -171,11 +171,11 @@ def test_make_release_statistic_is_fsum_of_many_records(monkeypatch, statistic):
         want = mean if statistic == "sample_mean" else math.fsum([(v - mean) ** 2 for v in clipped]) / (n - 1)
         private = privatize(_model("normal"), site="x", mechanism=LaplaceMechanism(1.0), statistic=statistic,
                             bounds=(a, b))
-    seen, release = [], LaplaceMechanism.release
+    seen = []
 
     def capture(self, rng_key, value, **kwargs):
         seen.append(np.asarray(value))
-        return release(self, rng_key, value, **kwargs)
+        return np.asarray(value)  # the statistic is what is checked (its float32 release would be rounded)
 
     monkeypatch.setattr(LaplaceMechanism, "release", capture)
     fed = _count_fsum_inputs(monkeypatch)
