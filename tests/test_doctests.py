@@ -15,7 +15,7 @@ FAST = {
     "d3pext.releases.mechanisms", "d3pext.models.sir", "d3pext.prng", "d3pext.validation", "d3pext.dtypes",
     "d3pext.inference.registry", "d3pext.training.clipping", "d3pext.releases.counts", "d3pext.releases.exact",
     "d3pext.training.dependence", "d3pext.audit", "d3pext.inference.gibbs_base", "d3pext.training.noise",
-    "d3pext.releases.info", "d3pext.releases.files",
+    "d3pext.releases.info", "d3pext.releases.files", "d3pext.releases.sums",
 }
 
 

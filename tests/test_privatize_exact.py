@@ -1,4 +1,4 @@
-"""The curator's exact sums (``_exact_sum``): vectorized, and bit for bit ``math.fsum``."""
+"""The curator's exact sums (``exact_sum``): vectorized, and bit for bit ``math.fsum``."""
 
 import importlib
 import math
@@ -14,7 +14,7 @@ import numpyro.distributions as dist
 from d3pext.handlers import make_release, privatize
 from d3pext.releases.mechanisms import LaplaceMechanism
 
-P = importlib.import_module("d3pext.handlers.privatize")  # the module (the package exports the class)
+P = importlib.import_module("d3pext.releases.sums")
 TINY = 2.0**-1074
 MAX = float(np.finfo(np.float64).max)
 F32 = np.finfo(np.float32)
@@ -31,7 +31,7 @@ def _fsum_columns(t: np.ndarray, batch_ndim: int) -> np.ndarray:
 
 
 def _assert_fsum(t: np.ndarray, batch_ndim: int = 1) -> None:
-    got, want = P._exact_sum(t, batch_ndim), _fsum_columns(t, batch_ndim)
+    got, want = P.exact_sum(t, batch_ndim), _fsum_columns(t, batch_ndim)
     assert got.dtype == np.float64 and got.shape == want.shape
     assert _bits(got) == _bits(want), (got, want)
 
@@ -75,14 +75,14 @@ def test_float_dtypes_and_multi_coordinate_statistics(dtype, batch_ndim):
 def test_integer_statistics_stay_exact_integers(dtype):
     t = np.random.default_rng(4).integers(0, 2 if dtype == np.bool_ else 100, size=(40, 5, 3)).astype(dtype)
     for batch_ndim in (1, 2):
-        got = P._exact_sum(t, batch_ndim)
+        got = P.exact_sum(t, batch_ndim)
         assert got.dtype == np.int64
         np.testing.assert_array_equal(got, t.astype(np.int64).sum(axis=tuple(range(batch_ndim))))
 
 
 def test_empty_input_sums_to_zero():
-    assert _bits(P._exact_sum(np.zeros((0, 4)), 1)) == [0] * 4
-    assert _bits(P._exact_sum(np.zeros((0,), np.float32), 1)) == [0]
+    assert _bits(P.exact_sum(np.zeros((0, 4)), 1)) == [0] * 4
+    assert _bits(P.exact_sum(np.zeros((0,), np.float32), 1)) == [0]
 
 
 @pytest.mark.parametrize("block", [1, 7, 1 << 20])
@@ -108,13 +108,13 @@ def test_random_records_match_fsum_across_blocks(monkeypatch, block):
 def test_non_finite_and_overflowing_records_keep_fsum_results_and_errors():
     """A column with a non-finite record, or one huge enough to overflow a sum, goes through fsum
     itself: same inf/nan, same errors; the other columns keep the fast exact path."""
-    got = P._exact_sum(np.array([[1.0, np.inf, 0.1], [2.0, 3.0, np.nan], [1e16, -1.0, 0.2]]), 1)
+    got = P.exact_sum(np.array([[1.0, np.inf, 0.1], [2.0, 3.0, np.nan], [1e16, -1.0, 0.2]]), 1)
     assert got[0] == math.fsum([1.0, 2.0, 1e16]) and got[1] == np.inf and np.isnan(got[2])
     with pytest.raises(ValueError, match=r"-inf \+ inf"):
-        P._exact_sum(np.array([np.inf, -np.inf]), 1)
+        P.exact_sum(np.array([np.inf, -np.inf]), 1)
     with pytest.raises(OverflowError, match="intermediate overflow"):
-        P._exact_sum(np.array([MAX, MAX, -MAX]), 1)
-    assert P._exact_sum(np.array([MAX / 2**30] * 8), 1) == MAX / 2**27  # below the limit
+        P.exact_sum(np.array([MAX, MAX, -MAX]), 1)
+    assert P.exact_sum(np.array([MAX / 2**30] * 8), 1) == MAX / 2**27  # below the limit
 
 
 def _count_fsum_inputs(monkeypatch) -> list[int]:
@@ -136,7 +136,7 @@ def test_exact_sum_is_vectorized(monkeypatch):
     t = rng.normal(1980.0, 20.0, size=(200_000, 3))
     want = _fsum_columns(t, 1)
     fed = _count_fsum_inputs(monkeypatch)
-    got = P._exact_sum(t, 1)
+    got = P.exact_sum(t, 1)
     assert _bits(got) == _bits(want)
     assert len(fed) == 3 and max(fed) <= 8, fed
 
@@ -194,7 +194,7 @@ def test_integer_valued_float_sums_are_exact_and_cheap_with_many_coordinates():
     x = (rng.random((8, 2**20)) < 0.3).astype(np.float32)
     tracemalloc.start()
     try:
-        got = P._exact_sum(x, 1)
+        got = P.exact_sum(x, 1)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

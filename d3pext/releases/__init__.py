@@ -6,5 +6,6 @@
 - :mod:`~d3pext.releases.info`: ``ReleaseInfo``, the metadata of a release site, and
   ``release_sites``;
 - :mod:`~d3pext.releases.files`: ``save_releases`` / ``load_releases``, releases on disk with the
-  settings they were made with.
+  settings they were made with;
+- :mod:`~d3pext.releases.sums`: ``exact_sum``, the curator's correctly rounded sums of records.
 """
