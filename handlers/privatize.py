@@ -344,12 +344,12 @@ class privatize(Messenger):
             record = [frame for frame in frames if frame.name in self.record_plate]
         elif not derived:
             return 1
-        elif len(frames) > 1:
+        elif len(sized := [frame.name for frame in frames if frame.size > 1]) > 1:
             raise ValueError(
                 f"privatize({self.site!r}): the site is in the plates {list(names)}, and which of them "
                 "identifies one record (the individual that the privacy guarantee protects) sets the "
-                f"sensitivity. Pass record_plate={names[0]!r} when each individual has a cell in each of "
-                f"the other plates (the sensitivity then covers all of them), or record_plate={names!r} "
+                f"sensitivity. Pass record_plate={sized[0]!r} when each individual has a cell in each of "
+                f"the other plates (the sensitivity then covers all of them), or record_plate={tuple(sized)!r} "
                 "when every cell is an individual. Nothing was released."
             )
         elif not frames:
@@ -361,8 +361,8 @@ class privatize(Messenger):
                     "record_plate). Nothing was released."
                 )
             return 1
-        else:
-            record = frames
+        else:  # one plate of several records (with plates of one, which hold one cell each way)
+            record = [frame for frame in frames if frame.size > 1] or frames
         axes = {len(batch_shape) + frame.dim for frame in record}
         cells = [size for axis, size in enumerate(batch_shape) if axis not in axes]
         return int(np.prod(cells, dtype=np.int64))

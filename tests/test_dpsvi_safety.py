@@ -604,6 +604,8 @@ def test_poisson_sampling_rate_is_stated_not_taken_from_the_private_number_of_re
         svi()
     with pytest.raises(ValueError, match="sampling_rate must be in"):
         svi(sampling_rate=1.5)
+    with pytest.raises(ValueError, match="sampler='poisson' needs its rate and delta"):  # both at once
+        dpsvi(normal_model, sampler="poisson")
     # the default delta, min(1e-5, 0.1 / N), would publish N (N = 20,000 gave delta 5e-6 in the report)
     for sampler in ("poisson", PoissonSampler(N, 0.1)):
         with pytest.raises(ValueError, match="Poisson sampling needs delta="):
@@ -645,3 +647,13 @@ def test_record_data_passed_by_keyword_in_another_layout_is_refused():
 
     with pytest.raises(ValueError, match=r"keyword argument 'xt' has an axis of 6 \(shape \(4, 6\)\), as many as the data"):
         dpsvi(model).init(jax.random.key(0), y, xt=xt)
+
+    # batch mode: the keyword array holds all N records while the positional data is a batch of B
+    def batch(yb, y_all=None, num_obs_total=None):
+        theta = numpyro.sample("theta", dist.Beta(1.0 + jnp.sum(y_all), 1.0))
+        with numpyro.plate("data", num_obs_total, subsample_size=yb.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(theta), obs=yb)
+
+    y_all = (jnp.arange(200) % 3 == 0).astype(jnp.float32)
+    with pytest.raises(ValueError, match=r"keyword argument 'y_all' has an axis of 200 \(shape \(200,\)\)"):
+        dpsvi(batch, num_obs_total=200).init(jax.random.key(0), y_all[:10], y_all=y_all)

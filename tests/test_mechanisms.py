@@ -384,11 +384,12 @@ def test_a_release_rounded_off_its_law_by_float32_warns():
     scales instead of 1.4): the release keeps its privacy, but not the law inference assumes."""
     from d3pext.releases.mechanisms import ReleasePrecisionWarning
 
-    with pytest.warns(ReleasePrecisionWarning, match=r"float32 numbers .* apart, more than 1/16 of the noise's scale"):
+    with pytest.warns(ReleasePrecisionWarning, match=r"float32 numbers .* apart, more than 1/4 of the noise's scale"):
         LaplaceMechanism(1.0, sensitivity=1.2e-5).release(None, np.float64(1989.4083912571587))
     with pytest.warns(ReleasePrecisionWarning):
         GaussianMechanism(1.0, 1e-5, sensitivity=1.0).release(None, np.full(2, 2e7))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReleasePrecisionWarning)
         LaplaceMechanism(1.0, sensitivity=1.0).release(None, np.float64(2e5))
+        LaplaceMechanism(1.0, sensitivity=1.0).release(None, np.float64(1.2e6))  # spacing 1/8 of the scale
         GeometricMechanism(1.0).release(None, np.int64(2 * 10**7))

@@ -222,3 +222,16 @@ def test_plates_sharing_a_name_are_refused():
         private = privatize(model, site="x", mechanism=LaplaceMechanism(1.0), record_plate=record_plate)
         with pytest.raises(ValueError, match="share a name"):
             make_release(private, x, rng_key=0, reproducible=True)
+
+
+def test_plates_of_one_leave_the_record_plate_unambiguous():
+    """A plate of size 1 beside the records plate holds one cell either way: not refused (it had been, and
+    the message had suggested the plate of one, which gave 6x the sensitivity)."""
+    def model(x=None):
+        theta = numpyro.sample("theta", dist.Beta(1.0, 1.0))
+        with numpyro.plate("groups", 1, dim=-2), numpyro.plate("records", 6, dim=-1):
+            numpyro.sample("x", dist.Bernoulli(theta), obs=x)
+
+    tr = trace(seed(privatize(model, site="x", mechanism=LaplaceMechanism(1.0)), 0)).get_trace(jnp.ones((1, 6)))
+    info = tr["x_dp"]["infer"]["privatize"]
+    assert info.sensitivity == 1.0 and info.cells_per_record == 1 and info.num_records == 6

@@ -241,13 +241,17 @@ def test_per_count_alphas_are_part_of_the_settings(tmp_path):
 def test_64_bit_values_are_not_narrowed_silently(tmp_path):
     """A curator with 64-bit types writes float64/int64 releases; a default (32-bit) JAX had narrowed
     them without a word: 2**40 came back as 0 (int32), a mean moved by 2.9 noise scales."""
-    def edit(dtype, value):
+    def edit(dtype, value, scale=20.0):
         def apply(content):
             content["releases"]["x_dp"].update(dtype=dtype, value=value)
+            content["releases"]["x_dp"]["made_with"]["noise scale"] = scale
         return apply
 
-    for dtype, value in (("float64", 1960.0071678515626), ("int64", 2**40)):
-        with pytest.raises(ValueError, match="enable them before loading"):
-            load_releases(_edited(tmp_path, edit(dtype, value)))
+    for dtype, value, scale in (("float64", 1960.0071678515626, 1.2e-5), ("int64", 2**40, 20.0)):
+        with pytest.raises(ValueError, match="by more than 1/8 of the noise's scale: enable them before loading"):
+            load_releases(_edited(tmp_path, edit(dtype, value, scale)))
     loaded = load_releases(_edited(tmp_path, edit("float64", 2.5)))  # exact in float32: kept
     assert loaded["x_dp"].dtype == jnp.float32 and float(loaded["x_dp"]) == 2.5
+    # narrowed by 1e-5 of its noise's scale (a Bernoulli mean of 1000 records at epsilon 1): kept, in float32
+    loaded = load_releases(_edited(tmp_path, edit("float64", 0.3001234567891234, 1e-3)))
+    assert float(loaded["x_dp"]) == float(np.float32(0.3001234567891234))

@@ -33,7 +33,7 @@ neighbouring data sets. What is protected, and how:
   ``d = 2`` at the default resolution), and the ledger composes Gaussian releases as continuous
   Gaussians (their single-release curves agree to 1e-4 relative at the default resolution). The
   release is returned in the default float dtype; where float32's spacing at the released values
-  exceeds 1/16 of the noise's scale it warns (:class:`ReleasePrecisionWarning`). The binomial
+  exceeds 1/4 of the noise's scale it warns (:class:`ReleasePrecisionWarning`). The binomial
   mechanism still samples in floating point.
 - *Predictable noise*: without a key, noise comes from a ChaCha20 key seeded by OS entropy
   (:func:`d3pext.prng.secure_key`); an explicit key warns (:class:`ReproducibleReleaseWarning`).
@@ -167,7 +167,7 @@ class ReproducibleReleaseWarning(UserWarning):
 
 class ReleasePrecisionWarning(UserWarning):
     """A release returned in a float dtype (float32 while JAX's 64-bit types are off) whose spacing at the
-    released values is more than 1/16 of the noise's scale: the rounding moves the release off the law
+    released values is more than 1/4 of the noise's scale: the rounding moves the release off the law
     that inference assumes."""
 
 
@@ -292,20 +292,20 @@ class Mechanism(abc.ABC):
 
     def check_precision(self, value: ArrayLike) -> None:
         """Warn (:class:`ReleasePrecisionWarning`) where the float dtype the release of ``value`` is returned
-        in (float32 while JAX's 64-bit types are off) would round it by more than 1/16 of the noise's
-        scale: the release keeps its privacy but not the law inference assumes (a mean of 1e7 birth years
-        released at scale 1.2e-5 came back as one of 3 float32 values, its error 4.7 scales in sd instead
-        of 1.4)."""
+        in (float32 while JAX's 64-bit types are off) is spaced wider than 1/4 of the noise's scale at
+        the released values: the release keeps its privacy but not the law inference assumes (a mean of
+        1e7 birth years released at scale 1.2e-5 came back as one of 3 float32 values, its error 4.7
+        scales in sd instead of 1.4)."""
         spread = self._noise_spread()
         if spread is None or not not_jax_tracer(value):
             return
         dtype = float_dtype(value)
         top = float(np.max(np.abs(np.asarray(value, np.float64)), initial=0.0)) + 40.0 * spread
         spacing = float(np.spacing(np.asarray(top, dtype)))
-        if spacing > spread / 16:
+        if spacing > spread / 4:  # rounding then adds under 0.3% to the variance, and shifts by under 1/8 scale
             warnings.warn(
                 f"{type(self).__name__}.release: values near {top:.6g} are {np.dtype(dtype).name} numbers "
-                f"{spacing:.3g} apart, more than 1/16 of the noise's scale {spread:.3g}: the release is rounded "
+                f"{spacing:.3g} apart, more than 1/4 of the noise's scale {spread:.3g}: the release is rounded "
                 "off the law that inference assumes (its privacy is kept). Enable 64-bit types first, "
                 "jax.config.update('jax_enable_x64', True), or release a statistic of smaller magnitude "
                 "(e.g. centred on a public value).",

@@ -297,29 +297,38 @@ def _num_records(args) -> Optional[int]:
     return lengths.pop() if lengths else None
 
 
-def _check_keyword_arrays(args, kwargs: dict, static_kwargs: Optional[dict] = None) -> None:
-    """Refuse a keyword array with an axis as long as the positional data: it is almost surely record data,
-    and DPSVI treats keyword arrays as public. Only positional data is subsampled by its sampler, kept
-    apart record by record, and proven not to reach the unclipped global terms; a record array passed
-    by keyword (to a call, or to the constructor: ``static_kwargs``) would escape all three (a global
-    prior reading ``jnp.mean(y)`` would leak, unclipped)."""
-    num_records = _num_records(args)
-    if num_records is None:
+def _check_keyword_arrays(
+    args, kwargs: dict, static_kwargs: Optional[dict] = None, num_records: Optional[int] = None
+) -> None:
+    """Refuse a keyword array that is almost surely record data: one with as many rows as the positional
+    data (all N records, or a batch of them), or with any axis of the N records (``num_records``, where
+    known: record data laid out (features, records) is record data too). DPSVI treats keyword arrays as
+    public: only positional data is subsampled by its sampler, kept apart record by record, and proven
+    not to reach the unclipped global terms; a record array passed by keyword (to a call, or to the
+    constructor: ``static_kwargs``) would escape all three (a global prior reading ``jnp.mean(y)`` would
+    leak, unclipped)."""
+    length = _num_records(args)
+    if length is None and num_records is None:
         return
     given = [(name, value, "") for name, value in kwargs.items()]
     given += [(name, value, " given to DPSVI's constructor") for name, value in (static_kwargs or {}).items()]
     for name, value, where in given:
-        if name != "mask" and isinstance(value, (jax.Array, np.ndarray)) and jnp.ndim(value) > 0:
-            shape = tuple(jnp.shape(value))
-            if num_records in shape:  # on any axis: record data laid out (D, N) is record data too
-                what = f"{num_records} rows" if shape[0] == num_records else f"an axis of {num_records} (shape {shape})"
-                raise ValueError(
-                    f"keyword argument {name!r}{where} has {what}, as many as the data: DPSVI treats "
-                    "keyword arrays as public (not clipped, and the global terms may use them), so record data must "
-                    f"be passed positionally, e.g. run(key, num_steps, x, {name}) for model(x, {name}=None). A public "
-                    f"array that only happens to have {num_records} rows can be bound to the model instead "
-                    f"(functools.partial(model, {name}=...))."
-                )
+        if name == "mask" or not isinstance(value, (jax.Array, np.ndarray)) or jnp.ndim(value) == 0:
+            continue
+        shape = tuple(jnp.shape(value))
+        if shape[0] == length:
+            what = f"{length} rows, as many as the data"
+        elif num_records is not None and num_records in shape:
+            what = f"an axis of {num_records} (shape {shape}), as many as the data's records"
+        else:
+            continue
+        raise ValueError(
+            f"keyword argument {name!r}{where} has {what}: DPSVI treats keyword arrays as public (not clipped, "
+            "and the global terms may use them), so record data must be passed positionally, e.g. "
+            f"run(key, num_steps, x, {name}) for model(x, {name}=None). A public array that only happens to "
+            f"have that size can be bound to the model and the guide instead (functools.partial(model, "
+            f"{name}=...) and functools.partial(guide, {name}=...))."
+        )
 
 
 def _array_leaves(obj, depth: int = 0) -> list:
@@ -490,7 +499,15 @@ class DPSVI(SVI):
             raise ValueError(
                 f"sampler must be 'fixed', 'poisson', a FixedSizeSampler or a PoissonSampler, got {sampler!r}"
             )
-        if delta is None and (isinstance(sampler, PoissonSampler) or (isinstance(sampler, str) and sampler == "poisson")):
+        poisson_plate_mode = isinstance(sampler, str) and sampler == "poisson"
+        if poisson_plate_mode and delta is None and sampling_rate is None:
+            raise ValueError(
+                "sampler='poisson' needs its rate and delta: DPSVI(..., sampler='poisson', sampling_rate=q, "
+                "delta=...), both chosen without looking at the data. Under add/remove neighbours the number of "
+                "records N is private: each step is scaled by 1 / q, so a rate taken as B / N would reveal N, and "
+                "so would the default delta min(1e-5, 0.1 / N). Choose q and delta from a public bound on N."
+            )
+        if delta is None and (isinstance(sampler, PoissonSampler) or poisson_plate_mode):
             raise ValueError(
                 "Poisson sampling needs delta=: its add/remove neighbours keep the number of records N private, "
                 "and the default delta, min(1e-5, 0.1 / N), would publish N with the privacy report. Choose delta "
@@ -1087,6 +1104,8 @@ class DPSVI(SVI):
             self._op_by_op_init = True
             state, init_key, model_trace, guide_trace = self._eager_init(rng_key, args, kwargs, init_params)
             structure = self._find_structure(model_trace, guide_trace, args)
+        # with the number of records known: record data by keyword in another layout (features, records)
+        _check_keyword_arrays(args, kwargs, self.static_kwargs, structure.num_records)
         sampler = self._make_sampler(structure, args)
         unconstrained = self.optim.get_params(state.optim_state)
         noise_size = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(unconstrained))
@@ -1367,7 +1386,8 @@ class DPSVI(SVI):
         """Refuse record data passed by keyword (:func:`_check_keyword_arrays`) and, with a mesh, data
         placed where the split step cannot take it (a clear error instead of XLA's): on devices outside
         the mesh or split otherwise than by rows over its data axis."""
-        _check_keyword_arrays(args, kwargs, self.static_kwargs)
+        num_records = self.structure.num_records if self.structure is not None else self.num_obs_total
+        _check_keyword_arrays(args, kwargs, self.static_kwargs, num_records)
         if self.mesh is not None:
             check_data(args, self.mesh, self.data_axis)
             check_data(kwargs, self.mesh, self.data_axis)
