@@ -35,7 +35,7 @@ from d3pext.prng import secure_key
 from d3pext.releases.counts import check_counts
 from d3pext.releases.info import CONFIDENTIAL, ReleaseInfo, release_sites, remember_release
 from d3pext.releases.mechanisms import warn_reproducible
-from d3pext.releases.sums import exact_column_sums, exact_sum
+from d3pext.releases.sums import exact_sum
 from d3pext.validation import check_finite
 
 __all__ = ["curator_key", "make_release", "privatize", "privatize_counts"]
@@ -294,10 +294,10 @@ class privatize(Messenger):
             raise ValueError(f"privatize({self.site!r}): {self.statistic} needs n >= 2 records.")
         if _is_concrete(value):  # the curator's data: clipped, summed and divided in float64
             x = np.clip(np.asarray(value, np.float64).reshape(-1), a, b)
-            mean = exact_column_sums(x[:, None])[0] / n
+            mean = float(exact_sum(x, 1)) / n
             if self.statistic == "sample_mean":
                 return np.float64(mean), (b - a) / n, n, ()
-            squares = exact_column_sums(((x - mean) ** 2)[:, None])[0]
+            squares = float(exact_sum((x - mean) ** 2, 1))
             return np.float64(squares / (n - 1)), (b - a) ** 2 / n, n, ()
         # traced (the analyst's model): at least the default float, as a float16 mean rounds by
         # more than the sensitivity (b - a) / n
@@ -574,7 +574,6 @@ def make_release(
     for name, statistic in statistics.items():
         check_finite(statistic, f"The statistic released at {name!r}",
                      f"check the confidential data of {infos[name].source!r}. Nothing was released.")
-
     if ledger is not None:
         ledger.record_many([(name, info.cost()) for name, info in infos.items()])
     releases = {}

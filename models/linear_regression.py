@@ -37,8 +37,8 @@ import numpyro
 import numpyro.distributions as dist
 
 from d3pext.handlers.privatize import privatize
-from d3pext.inference.regression import record_sums
 from d3pext.releases.mechanisms import LaplaceMechanism
+from d3pext.releases.sums import array_module, record_sums
 
 __all__ = [
     "PAPER_BETA",
@@ -77,34 +77,15 @@ def linear_regression_statistic(records: jax.Array, bound: float = CLAMP) -> jax
     >>> linear_regression_statistic(jnp.array([[10.0, 0.0, -5.0]])).tolist()
     [-0.5, -0.5, 0.0, 0.25, 1.0, 0.0, 1.0, 0.0, 0.0]
     """
-    if not isinstance(records, jax.core.Tracer):  # the curator's: float64, sums correctly rounded
-        return _exact_statistic(np.asarray(records, np.float64), bound)
-    records = jnp.asarray(records)
+    xp, records = array_module(records)  # the curator's in float64, sums correctly rounded
     n, q = records.shape[-2], records.shape[-1]
-    z = jnp.clip(records, -bound, bound) / bound
-    x = jnp.concatenate([jnp.ones_like(z[..., :1]), z[..., : q - 1]], -1)
-    y = z[..., q - 1]
-    # full float32 products: a GPU's default precision (TF32) would round the released sums to ~1e-4
-    full = lax.Precision.HIGHEST
-    xy = jnp.einsum("...ij,...i->...j", x, y, precision=full) / n
-    yy = jnp.sum(y * y, -1, keepdims=True) / n
-    xx = jnp.einsum("...ij,...ik->...jk", x, x, precision=full) / n
-    rows, cols = np.triu_indices(q)
-    keep = ~((rows == 0) & (cols == 0))
-    return jnp.concatenate([xy, yy, xx[..., rows[keep], cols[keep]]], -1)
-
-
-def _exact_statistic(records: np.ndarray, bound: float) -> np.ndarray:
-    """:func:`linear_regression_statistic` of concrete records: products in float64 and sums over the
-    records correctly rounded (a float32 sum of millions of records rounds by more than the release's
-    one grid unit of slack)."""
-    n, q = records.shape[-2], records.shape[-1]
-    z = np.clip(records, -bound, bound) / bound
-    x = np.concatenate([np.ones_like(z[..., :1]), z[..., : q - 1]], -1)
+    z = xp.clip(records, -bound, bound) / bound
+    x = xp.concatenate([xp.ones_like(z[..., :1]), z[..., : q - 1]], -1)
     y = z[..., q - 1:]
     rows, cols = np.triu_indices(q)
     keep = ~((rows == 0) & (cols == 0))
-    terms = np.concatenate([x * y, y * y, x[..., rows[keep]] * x[..., cols[keep]]], -1)
+    # products per record, then sums over the records (elementwise: no TF32 rounding on a GPU)
+    terms = xp.concatenate([x * y, y * y, x[..., rows[keep]] * x[..., cols[keep]]], -1)
     return record_sums(terms) / n
 
 

@@ -132,7 +132,7 @@ from d3pext.inference.draws import (
 from d3pext.inference.gibbs_base import DEFAULT_MAX_STALLS, ConstrainedGibbsKernel, raise_if_stuck
 from d3pext.inference.structure import NotApplicable, PrivateModel
 from d3pext.releases.mechanisms import LaplaceMechanism
-from d3pext.releases.sums import exact_sum
+from d3pext.releases.sums import array_module, record_sums
 from d3pext.validation import check_bounds
 
 __all__ = [
@@ -151,7 +151,6 @@ __all__ = [
     "power_sums",
     "project_moments",
     "project_statistics",
-    "record_sums",
     "regression_prior",
     "regression_statistics",
     "statistic_factor",
@@ -365,16 +364,6 @@ class RegressionRecords(dist.Distribution):
         return log_px + dist.Normal(self.beta0 + self.beta1 * x, self.sigma).log_prob(y)
 
 
-def record_sums(terms) -> jax.Array | np.ndarray:
-    """Sums over the records (axis ``-2``) of per-record terms ``(..., n, m)``. Concrete terms (the
-    curator's records) are summed in float64, correctly rounded (:func:`~d3pext.releases.sums.exact_sum`):
-    the float-safe release keeps one grid unit of slack for the rounding of the statistic, and a float32
-    sum of a million records rounds by far more."""
-    if isinstance(terms, jax.core.Tracer):
-        return terms.sum(-2)
-    return exact_sum(np.moveaxis(np.asarray(terms, np.float64), -2, 0), 1)
-
-
 def regression_statistics(records, bounds_x, bounds_y) -> jax.Array:
     """``S = (sum u, sum u^2, sum v, sum u v, sum v^2)`` of records clipped into the bounds and
     rescaled to ``[0, 1]`` (L1 sensitivity 5 under substitution); concrete records in float64.
@@ -383,7 +372,7 @@ def regression_statistics(records, bounds_x, bounds_y) -> jax.Array:
     >>> regression_statistics(jnp.array([[5.0, 2.0], [20.0, 0.0]]), (0, 10), (0, 2)).tolist()
     [1.5, 1.25, 1.0, 0.5, 1.0]
     """
-    xp, records = _array_module(records)
+    xp, records = array_module(records)
     (ax, bx), (ay, by) = bounds_x, bounds_y
     u = (xp.clip(records[..., 0], ax, bx) - ax) / (bx - ax)
     v = (xp.clip(records[..., 1], ay, by) - ay) / (by - ay)
@@ -398,17 +387,10 @@ def power_sums(records, bounds_x) -> jax.Array:
     >>> power_sums(jnp.array([[5.0, 2.0], [10.0, 0.0]]), (0, 10)).tolist()
     [1.5, 1.25, 1.125, 1.0625]
     """
-    xp, records = _array_module(records)
+    xp, records = array_module(records)
     (ax, bx) = bounds_x
     u = (xp.clip(records[..., 0], ax, bx) - ax) / (bx - ax)
     return record_sums(xp.stack([u**k for k in range(1, 5)], -1))
-
-
-def _array_module(records):
-    """NumPy in float64 for concrete records (the curator's), JAX for traced ones."""
-    if isinstance(records, jax.core.Tracer):
-        return jnp, records
-    return np, np.asarray(records, np.float64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -285,18 +285,14 @@ class Mechanism(abc.ABC):
     def _check_value(self, value: ArrayLike) -> None:
         """Curator-side checks of a concrete confidential value (none by default)."""
 
-    def _noise_spread(self) -> Optional[float]:
-        """The scale of the noise (Laplace ``scale``, Gaussian ``sigma``) for the precision check of
-        :meth:`check_precision`; ``None`` for integer releases."""
-        return None
-
-    def check_precision(self, value: ArrayLike) -> None:
+    def _check_precision(self, value: ArrayLike) -> None:
         """Warn (:class:`ReleasePrecisionWarning`) where the float dtype the release of ``value`` is returned
         in (float32 while JAX's 64-bit types are off) is spaced wider than 1/4 of the noise's scale at
         the released values: the release keeps its privacy but not the law inference assumes (a mean of
         1e7 birth years released at scale 1.2e-5 came back as one of 3 float32 values, its error 4.7
         scales in sd instead of 1.4)."""
-        spread = self._noise_spread()
+        parameters = self.noise_parameters()
+        spread = parameters.get("scale", parameters.get("sigma"))  # None for integer noise
         if spread is None or not not_jax_tracer(value):
             return
         dtype = float_dtype(value)
@@ -362,7 +358,7 @@ class Mechanism(abc.ABC):
                          "a release of it would be non-finite or reveal it. Check the data and the statistic.")
             self._check_value(value)
             if self.float_safe:
-                self.check_precision(value)
+                self._check_precision(value)
         if rng_key is None:
             rng_key = secure_key()
         elif not reproducible:
@@ -480,9 +476,6 @@ class LaplaceMechanism(Mechanism):
     def noise_parameters(self) -> dict:
         return {"scale": self.scale}
 
-    def _noise_spread(self) -> Optional[float]:
-        return self.scale
-
 
 @dataclass(frozen=True)
 class GaussianMechanism(Mechanism):
@@ -580,9 +573,6 @@ class GaussianMechanism(Mechanism):
 
     def noise_parameters(self) -> dict:
         return {"sigma": self.sigma}
-
-    def _noise_spread(self) -> Optional[float]:
-        return self.sigma
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["exact_column_sums", "exact_sum"]
+import jax
+import jax.numpy as jnp
+
+__all__ = ["array_module", "exact_sum", "record_sums"]
 
 
 def exact_sum(t: Any, batch_ndim: int) -> np.ndarray:
@@ -35,14 +38,42 @@ def exact_sum(t: Any, batch_ndim: int) -> np.ndarray:
     rows = t.reshape(n, k)
     if t.dtype == np.bool_ or np.issubdtype(t.dtype, np.integer):
         return rows.astype(np.int64).sum(axis=0).reshape(stat_shape)
-    return exact_column_sums(rows).reshape(stat_shape)
+    return _column_sums(rows).reshape(stat_shape)
+
+
+def array_module(records: Any) -> tuple[Any, Any]:
+    """``(numpy, records in float64)`` for concrete records (the curator's), ``(jax.numpy, records)``
+    for traced ones (the analyst's model): a statistic written with the returned module is computed
+    in float64 where it is released.
+
+    >>> xp, r = array_module([1, 2])
+    >>> xp.__name__, r.dtype
+    ('numpy', dtype('float64'))
+    """
+    if isinstance(records, jax.core.Tracer):
+        return jnp, records
+    return np, np.asarray(records, np.float64)
+
+
+def record_sums(terms: Any) -> Any:
+    """Sums over the records (axis ``-2``) of per-record terms ``(..., n, m)``: concrete terms (the
+    curator's) with :func:`exact_sum`, correctly rounded in float64 (the float-safe releases keep one
+    grid unit of slack for the rounding of the statistic, and a float32 sum of a million records
+    rounds by far more); traced ones with ``jnp.sum``.
+
+    >>> record_sums(np.array([[1e16], [1.0], [-1e16]])).tolist()
+    [1.0]
+    """
+    if isinstance(terms, jax.core.Tracer):
+        return terms.sum(-2)
+    return exact_sum(np.moveaxis(np.asarray(terms, np.float64), -2, 0), 1)
 
 
 # records per block of the exact float sums: their working memory is three float64 copies of a block
 _EXACT_BLOCK = 1 << 20
 
 
-def exact_column_sums(rows: np.ndarray) -> np.ndarray:
+def _column_sums(rows: np.ndarray) -> np.ndarray:
     """``math.fsum`` of each column of ``rows`` (records x coordinates), bit for bit, in NumPy.
 
     Each block of records is split exactly into a few vectors whose sums NumPy computes without
