@@ -657,3 +657,30 @@ def test_record_data_passed_by_keyword_in_another_layout_is_refused():
     y_all = (jnp.arange(200) % 3 == 0).astype(jnp.float32)
     with pytest.raises(ValueError, match=r"keyword argument 'y_all' has an axis of 200 \(shape \(200,\)\)"):
         dpsvi(batch, num_obs_total=200).init(jax.random.key(0), y_all[:10], y_all=y_all)
+
+
+def test_public_keyword_array_of_the_batch_size_is_accepted_when_declared():
+    """A public array whose rows happen to equal the batch size (group features with as many groups as
+    records per batch) was refused with no way to say it is public other than binding it to the model
+    and the guide; ``public_kwargs=`` names it. Undeclared, it is still refused, and the message says how."""
+    groups, n, b = 10, 200, 10
+    features = jnp.linspace(-1.0, 1.0, groups)
+
+    def model(yb, group=None, group_features=None, num_obs_total=None):
+        slope = numpyro.sample("slope", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", num_obs_total, subsample_size=yb.shape[0]):
+            numpyro.sample("y", dist.Normal(slope * group_features[group], 1.0), obs=yb)
+
+    y = jnp.asarray(np.random.default_rng(1).normal(size=(n,)), jnp.float32)
+    group = jnp.arange(n) % groups
+    with pytest.raises(ValueError, match=r"has 10 rows, as many as the data.*public_kwargs=\('group_features',\)"):
+        dpsvi(model, num_obs_total=n).init(jax.random.key(0), y[:b], group[:b], group_features=features)
+    svi = dpsvi(model, num_obs_total=n, public_kwargs=("group_features",))
+    state = svi.init(jax.random.key(0), y[:b], group[:b], group_features=features)
+    state, _ = svi.update(state, y[b : 2 * b], group[b : 2 * b], group_features=features)
+    assert int(state.num_steps) == 1
+    # declaring one name leaves the others checked
+    with pytest.raises(ValueError, match="keyword argument 'other' has 10 rows"):
+        svi.update(state, y[:b], group[:b], group_features=features, other=jnp.ones(b))
+    with pytest.raises(TypeError, match="public_kwargs must be a sequence of keyword argument names"):
+        dpsvi(model, public_kwargs="group_features")

@@ -235,3 +235,22 @@ def test_plates_of_one_leave_the_record_plate_unambiguous():
     tr = trace(seed(privatize(model, site="x", mechanism=LaplaceMechanism(1.0)), 0)).get_trace(jnp.ones((1, 6)))
     info = tr["x_dp"]["infer"]["privatize"]
     assert info.sensitivity == 1.0 and info.cells_per_record == 1 and info.num_records == 6
+
+
+def test_records_with_event_dims_are_refused_with_the_plate_form_to_use():
+    """A record written as ``.to_event(1)`` was refused as "records must be iid" with advice to move
+    per-record parameters into a plate, which it had none of; the message now names the event dims and
+    the nested-plate form that the methods take."""
+
+    def events(n, x=None):
+        theta = numpyro.sample("theta", dist.Beta(1.0, 1.0))
+        with numpyro.plate("records", n):
+            numpyro.sample("x", dist.Bernoulli(theta).expand([D]).to_event(1), obs=x)
+
+    with pytest.raises(ValueError, match=r"event dimensions \(BernoulliProbs\(...\).to_event\(1\), event shape \(4,\)\)"
+                                         r".*plate inside the records' plate"):
+        _release(events)
+    # the form the message asks for releases with the record's cells counted (unwrapping the event dims
+    # instead would count each cell as a record: sensitivity 1 for an individual who moves D cells)
+    _, made = _release(nested, record_plate="records")
+    assert made["sensitivity"] == D * 1.0 and made["cells_per_record"] == D

@@ -26,6 +26,7 @@ import numpyro.distributions as dist
 from numpyro.distributions.distribution import (
     Distribution,
     ExpandedDistribution,
+    Independent,
     MaskedDistribution,
 )
 
@@ -153,7 +154,18 @@ def record_distribution(fn: Distribution, num_records: int | None = None) -> Dis
 
     Raises when the records are not identically distributed (parameters vary across the plate).
     """
-    while isinstance(fn, (MaskedDistribution, ExpandedDistribution)):
+    while isinstance(fn, (MaskedDistribution, ExpandedDistribution, Independent)):
+        if isinstance(fn, Independent):
+            base = fn.base_dist
+            while isinstance(base, (MaskedDistribution, ExpandedDistribution, Independent)):
+                base = base.base_dist
+            raise ValueError(
+                f"The record distribution has event dimensions ({type(base).__name__}(...).to_event("
+                f"{fn.reinterpreted_batch_ndims}), event shape {fn.event_shape}); the sufficient-statistic "
+                "methods take one scalar family per cell. Write the cells of a record as a plate inside the "
+                "records' plate (with numpyro.plate('cells', D): dist.X(theta)) and name the records' plate "
+                "when releasing (privatize(..., record_plate=...)), or fit the model with DPSVI."
+            )
         fn = fn.base_dist
     if fn.batch_shape != ():
         raise ValueError(

@@ -27,7 +27,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -298,7 +298,8 @@ def _num_records(args) -> Optional[int]:
 
 
 def _check_keyword_arrays(
-    args, kwargs: dict, static_kwargs: Optional[dict] = None, num_records: Optional[int] = None
+    args, kwargs: dict, static_kwargs: Optional[dict] = None, num_records: Optional[int] = None,
+    public: frozenset = frozenset(),
 ) -> None:
     """Refuse a keyword array that is almost surely record data: one with as many rows as the positional
     data (all N records, or a batch of them), or with any axis of the N records (``num_records``, where
@@ -306,14 +307,15 @@ def _check_keyword_arrays(
     public: only positional data is subsampled by its sampler, kept apart record by record, and proven
     not to reach the unclipped global terms; a record array passed by keyword (to a call, or to the
     constructor: ``static_kwargs``) would escape all three (a global prior reading ``jnp.mean(y)`` would
-    leak, unclipped)."""
+    leak, unclipped). Names in ``public`` (``DPSVI(public_kwargs=...)``) were declared public by the
+    user and are not checked."""
     length = _num_records(args)
     if length is None and num_records is None:
         return
     given = [(name, value, "") for name, value in kwargs.items()]
     given += [(name, value, " given to DPSVI's constructor") for name, value in (static_kwargs or {}).items()]
     for name, value, where in given:
-        if name == "mask" or not isinstance(value, (jax.Array, np.ndarray)) or jnp.ndim(value) == 0:
+        if name == "mask" or name in public or not isinstance(value, (jax.Array, np.ndarray)) or jnp.ndim(value) == 0:
             continue
         shape = tuple(jnp.shape(value))
         if shape[0] == length:
@@ -325,9 +327,9 @@ def _check_keyword_arrays(
         raise ValueError(
             f"keyword argument {name!r}{where} has {what}: DPSVI treats keyword arrays as public (not clipped, "
             "and the global terms may use them), so record data must be passed positionally, e.g. "
-            f"run(key, num_steps, x, {name}) for model(x, {name}=None). A public array that only happens to "
-            f"have that size can be bound to the model and the guide instead (functools.partial(model, "
-            f"{name}=...) and functools.partial(guide, {name}=...))."
+            f"run(key, num_steps, x, {name}) for model(x, {name}=None). If {name!r} is public (it holds no "
+            f"record's data and only happens to have that size), declare it: DPSVI(..., "
+            f"public_kwargs=({name!r},))."
         )
 
 
@@ -418,6 +420,10 @@ class DPSVI(SVI):
         :func:`~d3pext.training.parallel.shard_records`. Other mesh axes replicate the work. ``None``
         (default): no explicit split (the batch is computed where XLA puts it).
     :param data_axis: the name of the mesh axis the records are split over.
+    :param public_kwargs: names of keyword arguments that are public arrays (they hold no record's data),
+        for the rare one that has as many rows as the data or the batch, or an axis of N: DPSVI refuses such
+        keyword arrays as likely record data passed by keyword (which would escape clipping) unless named
+        here. Declaring an array public that holds record data voids the guarantee.
 
     **Example**
 
@@ -459,6 +465,7 @@ class DPSVI(SVI):
         clipping: str = "auto",
         mesh: Optional[jax.sharding.Mesh] = None,
         data_axis: str = "data",
+        public_kwargs: Sequence[str] = (),
         **static_kwargs,
     ):
         if "rng_suite" in static_kwargs:
@@ -531,6 +538,12 @@ class DPSVI(SVI):
                 "is public, sampling_rate=B / N is the usual choice."
             )
         self.sampling_rate = sampling_rate
+        if isinstance(public_kwargs, str) or not all(isinstance(name, str) for name in public_kwargs):
+            raise TypeError(
+                f"public_kwargs must be a sequence of keyword argument names, e.g. public_kwargs=('group_features',); "
+                f"got {public_kwargs!r}"
+            )
+        self.public_kwargs = frozenset(public_kwargs)
         if num_obs_total is not None and (int(num_obs_total) != num_obs_total or num_obs_total < 1):
             raise ValueError(f"num_obs_total must be a positive integer, got {num_obs_total}")
         if clipping not in ("auto", "materialize", "ghost", "reweight"):
@@ -1105,7 +1118,7 @@ class DPSVI(SVI):
             state, init_key, model_trace, guide_trace = self._eager_init(rng_key, args, kwargs, init_params)
             structure = self._find_structure(model_trace, guide_trace, args)
         # with the number of records known: record data by keyword in another layout (features, records)
-        _check_keyword_arrays(args, kwargs, self.static_kwargs, structure.num_records)
+        _check_keyword_arrays(args, kwargs, self.static_kwargs, structure.num_records, self.public_kwargs)
         sampler = self._make_sampler(structure, args)
         unconstrained = self.optim.get_params(state.optim_state)
         noise_size = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(unconstrained))
@@ -1387,7 +1400,7 @@ class DPSVI(SVI):
         placed where the split step cannot take it (a clear error instead of XLA's): on devices outside
         the mesh or split otherwise than by rows over its data axis."""
         num_records = self.structure.num_records if self.structure is not None else self.num_obs_total
-        _check_keyword_arrays(args, kwargs, self.static_kwargs, num_records)
+        _check_keyword_arrays(args, kwargs, self.static_kwargs, num_records, self.public_kwargs)
         if self.mesh is not None:
             check_data(args, self.mesh, self.data_axis)
             check_data(kwargs, self.mesh, self.data_axis)
