@@ -87,6 +87,49 @@ def test_record_data_passed_by_keyword_is_refused():
     assert int(state.num_steps) == 0
 
 
+def test_a_model_computing_across_its_batch_is_refused():
+    """``xb - jnp.mean(xb, 0)`` after ``numpyro.subsample`` passed every check: each record's term is computed
+    in a batch of one, where the centred covariates are 0, and DPSVI fitted the noise (w about [-0.3, -0.1,
+    -0.1] where SVI finds [3.6, -3.7, 1.2]) without an error. Refused in plate and in batch mode; a model
+    whose terms are per record, local latent variables included, is not."""
+    x = jax.random.normal(jax.random.key(0), (N, 3))
+    y = (x @ jnp.array([1.0, -1.0, 0.5]) > 0) * 1.0
+
+    def centred(x, y):
+        w = numpyro.sample("w", dist.Normal(0, 2).expand([3]).to_event(1))
+        with numpyro.plate("data", x.shape[0], subsample_size=B):
+            xb, yb = numpyro.subsample(x, event_dim=1), numpyro.subsample(y, event_dim=0)
+            numpyro.sample("y", dist.Bernoulli(logits=(xb - jnp.mean(xb, 0)) @ w), obs=yb)
+
+    message = "the terms of the first record change with the other records of its batch"
+    with pytest.raises(ValueError, match=message):
+        dpsvi(centred).init(jax.random.key(0), x, y)
+
+    def batch_centred(xb, yb, num_obs_total=None):
+        w = numpyro.sample("w", dist.Normal(0, 2).expand([3]).to_event(1))
+        with numpyro.plate("data", num_obs_total, subsample_size=xb.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=(xb - jnp.mean(xb, 0)) @ w), obs=yb)
+
+    with pytest.raises(ValueError, match=message):
+        dpsvi(batch_centred, num_obs_total=N).init(jax.random.key(0), x[:B], y[:B])
+
+    def local_latent(x):  # a per-record latent with per-record keys: the same terms in any batch
+        mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=B):
+            z = numpyro.sample("z", dist.Normal(mu, 1.0))
+            numpyro.sample("x", dist.Normal(z, 1.0), obs=numpyro.subsample(x, event_dim=0))
+
+    def local_guide(x):
+        numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0), 1.0))
+        with numpyro.plate("data", x.shape[0], subsample_size=B) as idx:
+            loc = numpyro.param("z_loc", jnp.zeros(x.shape[0]))
+            numpyro.sample("z", dist.Normal(loc[idx], 1.0))
+
+    svi = DPSVI(local_latent, local_guide, optax.adam(0.05), Trace_ELBO(), clipping_threshold=2.0, dp_scale=1.0)
+    state = svi.init(jax.random.key(0), X)
+    assert int(state.num_steps) == 0
+
+
 def test_data_in_a_param_initial_value_is_refused():
     def model(x):
         shift = numpyro.param("shift", jnp.mean(x))

@@ -1051,14 +1051,37 @@ class DPSVI(SVI):
         program, out_tree = kept
         return jax.tree.unflatten(out_tree, jaxpr_as_fun(program)(*leaves))
 
+    def _position_terms(self, params, rng_key, args, kwargs, indices) -> jax.Array:
+        """The terms (model and guide log densities, site by site) of the record at position 0 of a batch
+        of ``indices`` (plate mode; in batch mode the rows of ``args``), computed as NumPyro computes a
+        batch: the whole batch in one run of the model and the guide."""
+        model_trace, guide_trace = self._run_traces(params, rng_key, args, kwargs, 0, indices)
+        name = self.structure.plate_name
+        terms = []
+        for tr in (model_trace, guide_trace):
+            for site in tr.values():
+                if site["type"] != "sample" or not _in_plate(site, name):
+                    continue
+                log_prob = site["fn"].log_prob(site["value"])
+                if site["scale"] is not None:
+                    log_prob = site["scale"] * log_prob
+                dim = next(f.dim for f in site["cond_indep_stack"] if f.name == name)
+                if jnp.ndim(log_prob) < -dim:  # no axis of the plate: the same for every record
+                    continue
+                terms.append(jnp.sum(jnp.take(log_prob, 0, axis=dim)))
+        return jnp.stack(terms) if terms else jnp.zeros(0)
+
     def _check_record_isolation(self, params, rng_key, args, kwargs) -> None:
-        """In plate mode each record's term is computed from copies of that record alone; refuse a
-        model whose record term changes under that (it reads other records, e.g. ``jnp.mean(x)``
-        inside the plate), instead of silently fitting a different model."""
-        if not self.structure.plate_mode:
-            return
+        """Each record's term is computed from that record alone (in plate mode from copies of it in
+        place of the data), in a batch of one. Refuse a model whose record term changes under that
+        instead of silently fitting a different model: one that reads other records inside the data plate
+        (``jnp.mean(x)``), or computes across the records of its batch (``xb - jnp.mean(xb, 0)`` after
+        ``numpyro.subsample``, batch normalization), which in a batch of one sees the record alone."""
         dyn, static = _split_kwargs(kwargs)
-        last = self.structure.num_records - 1
+        plate_mode = self.structure.plate_mode
+        last = (self.structure.num_records if plate_mode else _num_records(args)) - 1
+        if last < 1:
+            return
         losses = self._isolation_checks.get(static)
         if losses is None:  # one compiled check per structure: op-by-op it costs seconds of dispatch
 
@@ -1066,31 +1089,56 @@ class DPSVI(SVI):
             def losses(params, key, args, dyn):
                 key = threefry_key(key)
                 kw = {**dyn, **dict(static)}
+                same = []
+                if plate_mode:
 
-                def loss(case):
-                    # isolated: the data replaced by N copies of the record (as each step computes its
-                    # term); given: the data as they are. One traced model for both cases (traced per
-                    # case, the model was traced twice: 0.25 s to trace and lower instead of 0.19 s, in
-                    # every process); lax.map keeps one copy of the data at a time.
-                    index, isolated = case
-                    data = jax.tree.map(lambda a: jnp.where(isolated, jnp.broadcast_to(a[index], jnp.shape(a)), a), args)
-                    return self._record_loss(params, key, data, kw, (index, 0), isolate=False)
+                    def loss(case):
+                        # isolated: the data replaced by N copies of the record (as each step computes its
+                        # term); given: the data as they are. One traced model for both cases (traced per
+                        # case, the model was traced twice: 0.25 s to trace and lower instead of 0.19 s, in
+                        # every process); lax.map keeps one copy of the data at a time.
+                        index, isolated = case
+                        data = jax.tree.map(lambda a: jnp.where(isolated, jnp.broadcast_to(a[index], jnp.shape(a)), a), args)
+                        return self._record_loss(params, key, data, kw, (index, 0), isolate=False)
 
-                cases = (jnp.array([0, last, 0, last]), jnp.array([True, True, False, False]))
-                own, given = jnp.reshape(lax.map(loss, cases), (2, 2))
-                return jnp.isclose(own, given, rtol=1e-4, atol=1e-5, equal_nan=True)
+                    cases = (jnp.array([0, last, 0, last]), jnp.array([True, True, False, False]))
+                    own, given = jnp.reshape(lax.map(loss, cases), (2, 2))
+                    same += [jnp.isclose(own, given, rtol=1e-4, atol=1e-5, equal_nan=True)]
+
+                # the first record in a batch with another record, and in a batch with itself: the same terms
+                # unless the model computes across the batch
+                def batch_terms(other):
+                    if plate_mode:
+                        return self._position_terms(params, key, args, kw, jnp.stack([0, other]).astype(jnp.int32))
+                    rows = jax.tree.map(lambda a: jnp.stack([a[0], a[other]]), args)
+                    return self._position_terms(params, key, rows, kw, jnp.arange(2, dtype=jnp.int32))
+
+                with_other, with_itself = batch_terms(last), batch_terms(0)
+                same += [jnp.all(jnp.isclose(with_other, with_itself, rtol=1e-4, atol=1e-5, equal_nan=True))[None]]
+                return jnp.concatenate(same)
 
             self._isolation_checks[static] = losses
         same = np.asarray(losses(params, rng_key, args, dyn))  # one compiled check, one read
-        for index, same_loss in zip((0, last), same):
-            if not same_loss:
-                raise ValueError(
-                    f"the loss of record {index} changes when the other records change: the model reads more than "
-                    f"one record inside the data plate {self.structure.plate_name!r} (a statistic of the whole data, "
-                    "such as jnp.mean(x)?). DPSVI bounds each record's influence by clipping its own term, so a "
-                    "record's term may depend only on that record; compute such statistics with a private release "
-                    "and pass them as keyword arguments."
-                )
+        if plate_mode:
+            for index, same_loss in zip((0, last), same[:2]):
+                if not same_loss:
+                    raise ValueError(
+                        f"the loss of record {index} changes when the other records change: the model reads more "
+                        f"than one record inside the data plate {self.structure.plate_name!r} (a statistic of the "
+                        "whole data, such as jnp.mean(x)?). DPSVI bounds each record's influence by clipping its own "
+                        "term, so a record's term may depend only on that record; compute such statistics with a "
+                        "private release and pass them as keyword arguments."
+                    )
+        if not same[-1]:
+            raise ValueError(
+                "the terms of the first record change with the other records of its batch: the model computes "
+                f"across the records of a batch inside the data plate {self.structure.plate_name!r} (a batch "
+                "statistic such as xb - jnp.mean(xb, 0) after numpyro.subsample, or batch normalization). DPSVI "
+                "computes each record's term in a batch of its own, to clip it, so such a model would be fitted as "
+                "another model (a batch of one record centred to zero) without any error. Make each record's "
+                "term depend on that record only (centre with a constant, or a private release passed as a "
+                "keyword argument; per-record normalization instead of batch normalization)."
+            )
 
     # ------------------------------------------------------------------ SVI interface
 
