@@ -345,12 +345,15 @@ class privatize(Messenger):
         elif not derived:
             return 1
         elif len(sized := [frame.name for frame in frames if frame.size > 1]) > 1:
+            options = "; ".join(
+                f"record_plate={name!r} if each index of {name!r} is one individual, with a cell in each of "
+                f"the other plates" for name in sized
+            )
             raise ValueError(
                 f"privatize({self.site!r}): the site is in the plates {list(names)}, and which of them "
                 "identifies one record (the individual that the privacy guarantee protects) sets the "
-                f"sensitivity. Pass record_plate={sized[0]!r} when each individual has a cell in each of "
-                f"the other plates (the sensitivity then covers all of them), or record_plate={tuple(sized)!r} "
-                "when every cell is an individual. Nothing was released."
+                f"sensitivity, which covers all of that individual's cells. Pass {options}; or "
+                f"record_plate={tuple(sized)!r} if every cell is an individual. Nothing was released."
             )
         elif not frames:
             if len(batch_shape) > 1:
