@@ -727,3 +727,22 @@ def test_public_keyword_array_of_the_batch_size_is_accepted_when_declared():
         svi.update(state, y[:b], group[:b], group_features=features, other=jnp.ones(b))
     with pytest.raises(TypeError, match="public_kwargs must be a sequence of keyword argument names"):
         dpsvi(model, public_kwargs="group_features")
+
+
+def test_a_batch_mode_report_says_its_sampling_is_assumed():
+    """In batch mode the caller draws the batches and the accountant assumes how: the report says so (a
+    loop over fixed slices was reported exactly as if sampled)."""
+
+    def batch(xb, num_obs_total=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+        with numpyro.plate("data", num_obs_total, subsample_size=xb.shape[0]):
+            numpyro.sample("x", dist.Normal(mu, 1.0), obs=xb)
+
+    svi = dpsvi(batch, num_obs_total=N)
+    svi.init(jax.random.key(0), X[:B])
+    report = svi.privacy_spent(10)
+    assert report.sampler == "FixedSizeSampler (assumed: batch mode)"
+    assert "FixedSizeSampler (assumed: batch mode), substitute neighbours" in str(report)
+    plate = dpsvi(normal_model)
+    plate.init(jax.random.key(0), X)
+    assert plate.privacy_spent(10).sampler == "FixedSizeSampler"

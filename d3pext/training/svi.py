@@ -794,7 +794,8 @@ class DPSVI(SVI):
             sampling_rate=self.sampler.q,
             num_steps=int(num_steps),
             relation=Relation(self.sampler.relation).value,
-            sampler=type(self.sampler).__name__,
+            # in batch mode the batches come from the caller: the accountant assumes the sampler drew them
+            sampler=type(self.sampler).__name__ + ("" if self.structure.plate_mode else " (assumed: batch mode)"),
         )
 
     # ------------------------------------------------------------------ the loss split
