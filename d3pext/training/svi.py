@@ -1114,7 +1114,7 @@ class DPSVI(SVI):
                     rows = jax.tree.map(lambda a: jnp.stack([a[0], a[other]]), args)
                     return self._position_terms(params, key, rows, kw, jnp.arange(2, dtype=jnp.int32))
 
-                with_other, with_itself = batch_terms(last), batch_terms(0)
+                with_other, with_itself = lax.map(batch_terms, jnp.array([last, 0]))  # one traced model
                 same += [jnp.all(jnp.isclose(with_other, with_itself, rtol=1e-4, atol=1e-5, equal_nan=True))[None]]
                 return jnp.concatenate(same)
 
