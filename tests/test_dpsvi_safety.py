@@ -101,7 +101,7 @@ def test_a_model_computing_across_its_batch_is_refused():
             xb, yb = numpyro.subsample(x, event_dim=1), numpyro.subsample(y, event_dim=0)
             numpyro.sample("y", dist.Bernoulli(logits=(xb - jnp.mean(xb, 0)) @ w), obs=yb)
 
-    message = "the terms of the first record change with the other records of its batch"
+    message = "the terms of a record change with the other records of its batch"
     with pytest.raises(ValueError, match=message):
         dpsvi(centred).init(jax.random.key(0), x, y)
 
@@ -112,6 +112,19 @@ def test_a_model_computing_across_its_batch_is_refused():
 
     with pytest.raises(ValueError, match=message):
         dpsvi(batch_centred, num_obs_total=N).init(jax.random.key(0), x[:B], y[:B])
+
+    # batch operations that leave the first record of a batch alone, and records equal to the first
+    def first_subtracted(x, y):
+        w = numpyro.sample("w", dist.Normal(0, 2).expand([3]).to_event(1))
+        with numpyro.plate("data", x.shape[0], subsample_size=B):
+            xb, yb = numpyro.subsample(x, event_dim=1), numpyro.subsample(y, event_dim=0)
+            numpyro.sample("y", dist.Bernoulli(logits=(xb - xb[0]) @ w), obs=yb)
+
+    with pytest.raises(ValueError, match=message):
+        dpsvi(first_subtracted).init(jax.random.key(0), x, y)
+    repeated = jnp.concatenate([x[:1], x[:1], x[:1], x[3:]])  # records 0-2 alike: another is compared
+    with pytest.raises(ValueError, match=message):
+        dpsvi(centred).init(jax.random.key(0), repeated, y)
 
     def local_latent(x):  # a per-record latent with per-record keys: the same terms in any batch
         mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
@@ -128,6 +141,22 @@ def test_a_model_computing_across_its_batch_is_refused():
     svi = DPSVI(local_latent, local_guide, optax.adam(0.05), Trace_ELBO(), clipping_threshold=2.0, dp_scale=1.0)
     state = svi.init(jax.random.key(0), X)
     assert int(state.num_steps) == 0
+
+
+def test_a_public_keyword_array_with_a_row_per_record_is_refused():
+    """A public array with a row per record of the batch (declared in public_kwargs) reached each record's
+    term whole: with B = 2 an update fitted another model without an error, with B = 10 init failed with a
+    broadcasting error."""
+
+    def model(xb, offsets=None, num_obs_total=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
+        with numpyro.plate("data", num_obs_total, subsample_size=xb.shape[0]):
+            numpyro.sample("x", dist.Normal(mu + offsets, 1.0), obs=xb)
+
+    for b in (2, 10):
+        svi = dpsvi(model, num_obs_total=N, public_kwargs=("offsets",))
+        with pytest.raises(ValueError, match=f"observed site 'x' has a distribution with {b} rows along the data plate"):
+            svi.init(jax.random.key(0), X[:b], offsets=jnp.arange(b, dtype=jnp.float32))
 
 
 def test_data_in_a_param_initial_value_is_refused():

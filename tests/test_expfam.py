@@ -341,3 +341,28 @@ def test_conjugate_update_sees_user_distributions_masks_and_scales():
         assert _conjugate_params(kernel(prior_handler=handler)) == []
         assert _conjugate_params(kernel(records_handler=handler)) == []
     assert _conjugate_params(kernel(prior_mask=False)) == []
+
+
+def test_exact_count_draw_matches_its_conditional():
+    """``s | theta, sigma^2`` of a count statistic, drawn by inversion on ``{0..n}``, against
+    ``Binomial(s; n, theta) N(y; s, sigma^2)`` element by element (a vector release, a release far outside
+    the support, a narrow and a wide noise): a chi-square goodness-of-fit test per element."""
+    from d3pext.inference.expfam_gibbs import _exact_count_update
+
+    total, eta = 6, 0.3
+    y, noise_var = jnp.array([0.5, 4.0, -3.0, 9.5]), jnp.array([2.0, 0.5, 8.0, 1.0])
+
+    def one(key):
+        return _exact_count_update(SweepDraws.per_call(key, jnp.float32), eta, total, y, noise_var)
+
+    draws = np.asarray(jax.vmap(one)(random.split(random.key(0), 100_000))).astype(int)
+    k = np.arange(total + 1)
+    for j in range(len(y)):
+        log_w = stats.binom.logpmf(k, total, 1 / (1 + np.exp(-eta))) - 0.5 * (float(y[j]) - k) ** 2 / float(noise_var[j])
+        w = np.exp(log_w - log_w.max())
+        w /= w.sum()
+        counts = np.bincount(draws[:, j], minlength=total + 1)
+        assert counts.sum() == len(draws) and draws[:, j].min() >= 0
+        seen = w > 1e-9
+        assert counts[~seen].sum() == 0
+        assert stats.chisquare(counts[seen], w[seen] / w[seen].sum() * len(draws)).pvalue > 1e-3, (j, counts, w)

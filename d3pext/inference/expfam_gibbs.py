@@ -6,7 +6,7 @@ replaced by latent statistic sites, the Laplace noise of the release by a scale 
 (latent variances with exponential prior, Park & Casella), and the parameters of the records keep
 their priors. One sweep, for each release:
 
-1. the statistic given the parameters and the noise variances. A scalar Bernoulli or binomial count of
+1. the statistic given the parameters and the noise variances. A Bernoulli or binomial count of
    at most :data:`EXACT_COUNT_MAX` trials is drawn exactly on its support (then the sweep samples the
    exact posterior, see :func:`_exact_count_update`). Otherwise, as in the paper, the normal (CLT) approximation of
    ``p(s | theta)`` (moments by autodiff of the log-partition, :mod:`d3pext.distributions.expfam`) times the
@@ -179,15 +179,16 @@ def _exact_count_update(draws, eta, total: int, y, noise_var):
     belong to different joints (the paper's "two views"), which biases small counts: Bernoulli records,
     ``n = 3``, epsilon 1, posterior mean 0.404 against the exact 0.371."""
     k = jnp.arange(total + 1, dtype=jnp.result_type(y))
-    logp = eta * k + jnp.asarray(_log_binomial_coefficients(total), k.dtype) - 0.5 * (y - k) ** 2 / noise_var
-    cdf = jnp.cumsum(jnp.exp(logp - jnp.max(logp)))
-    u = 0.5 * (draws.pairs(jnp.shape(y))[0] + 1.0) * cdf[-1]
-    return jnp.minimum(jnp.sum(cdf < u), total).astype(k.dtype)
+    eta, noise_var = (jnp.broadcast_to(v, jnp.shape(y))[..., None] for v in (eta, noise_var))
+    logp = eta * k + jnp.asarray(_log_binomial_coefficients(total), k.dtype) - 0.5 * (y[..., None] - k) ** 2 / noise_var
+    cdf = jnp.cumsum(jnp.exp(logp - jnp.max(logp, -1, keepdims=True)), -1)
+    u = 0.5 * (draws.pairs(jnp.shape(y))[0] + 1.0) * cdf[..., -1]
+    return jnp.minimum(jnp.sum(cdf < u[..., None], -1), total).astype(k.dtype)
 
 
 def _exact_count_trials(family: ExpFamily, n: int, y) -> int | None:
     """The number of trials of a count statistic drawn exactly (:data:`EXACT_COUNT_MAX`), else None."""
-    if family.name not in ("Bernoulli", "Binomial") or jnp.ndim(y) != 0:
+    if family.name not in ("Bernoulli", "Binomial"):
         return None
     _, hi = _stat_range(family, n)
     return int(hi) if hi == int(hi) and hi <= EXACT_COUNT_MAX else None

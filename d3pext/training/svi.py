@@ -977,7 +977,12 @@ class DPSVI(SVI):
             shape = jnp.shape(site["value"])
             frame = next(f for f in site["cond_indep_stack"] if f.name == name)
             axis = len(shape) - len(getattr(site["fn"], "event_shape", ())) + frame.dim
-            found[site["name"]] = shape[axis] if 0 <= axis < len(shape) else 1
+            batch = tuple(getattr(site["fn"], "batch_shape", ()))
+            fn_axis = len(batch) + frame.dim
+            found[site["name"]] = (
+                shape[axis] if 0 <= axis < len(shape) else 1,
+                batch[fn_axis] if 0 <= fn_axis < len(batch) else 1,
+            )
             values[site["name"]] = site["value"]
         return values
 
@@ -987,7 +992,7 @@ class DPSVI(SVI):
         model closes over) is not kept apart record by record, nor subsampled: every record's term
         would read all of it, outside the clipping bound."""
         plate_name = self.structure.plate_name
-        for site, extent in extents.items():
+        for site, (extent, fn_extent) in extents.items():
             if not marks[site]:
                 raise ValueError(
                     f"observed site {site!r} in the data plate {plate_name!r} does not take its observed value from "
@@ -1001,6 +1006,15 @@ class DPSVI(SVI):
                     f"observed site {site!r} has {extent} values along the data plate {plate_name!r} in the run on "
                     "one record: its term would read other records' data, outside the clipping bound. Observe the "
                     "record's own data (obs=numpyro.subsample(y, event_dim=0), or y[idx] with the plate's indices)."
+                )
+            if fn_extent != 1:
+                raise ValueError(
+                    f"observed site {site!r} has a distribution with {fn_extent} rows along the data plate "
+                    f"{plate_name!r} in the run on one record: an array with a row per record of the batch (a "
+                    "keyword argument, public_kwargs=?) reaches its parameters. DPSVI computes each record's term "
+                    "alone and slices only the positional data, so such an array would be broadcast against every "
+                    "record. Pass arrays with a row per record positionally; a public array is read through a "
+                    "positional index column (group_features[group])."
                 )
 
     def _prove_global_part(self, args, params, dyn, static, keys, index, keep: bool, leaks=()) -> tuple:
@@ -1053,9 +1067,9 @@ class DPSVI(SVI):
         return jax.tree.unflatten(out_tree, jaxpr_as_fun(program)(*leaves))
 
     def _position_terms(self, params, rng_key, args, kwargs, indices) -> jax.Array:
-        """The terms (model and guide log densities, site by site) of the record at position 0 of a batch
-        of ``indices`` (plate mode; in batch mode the rows of ``args``), computed as NumPyro computes a
-        batch: the whole batch in one run of the model and the guide."""
+        """The terms (model and guide log densities, site by site) of the records at positions 0 and 1 of
+        a batch of ``indices`` (plate mode; in batch mode the two rows of ``args``), ``[2, sites]``,
+        computed as NumPyro computes a batch: the whole batch in one run of the model and the guide."""
         model_trace, guide_trace = self._run_traces(params, rng_key, args, kwargs, 0, indices)
         name = self.structure.plate_name
         terms = []
@@ -1069,8 +1083,10 @@ class DPSVI(SVI):
                 dim = next(f.dim for f in site["cond_indep_stack"] if f.name == name)
                 if jnp.ndim(log_prob) < -dim:  # no axis of the plate: the same for every record
                     continue
-                terms.append(jnp.sum(jnp.take(log_prob, 0, axis=dim)))
-        return jnp.stack(terms) if terms else jnp.zeros(0)
+                log_prob = jnp.moveaxis(log_prob, dim, 0)
+                rows = jnp.broadcast_to(log_prob, (2,) + jnp.shape(log_prob)[1:]) if jnp.shape(log_prob)[0] == 1 else log_prob[:2]
+                terms.append(jnp.sum(jnp.reshape(rows, (2, -1)), axis=1))
+        return jnp.stack(terms, axis=1) if terms else jnp.zeros((2, 0))
 
     def _check_record_isolation(self, params, rng_key, args, kwargs) -> None:
         """Each record's term is computed from that record alone (in plate mode from copies of it in
@@ -1106,16 +1122,22 @@ class DPSVI(SVI):
                     own, given = jnp.reshape(lax.map(loss, cases), (2, 2))
                     same += [jnp.isclose(own, given, rtol=1e-4, atol=1e-5, equal_nan=True)]
 
-                # the first record in a batch with another record, and in a batch with itself: the same terms
-                # unless the model computes across the batch
-                def batch_terms(other):
+                # two records a, b (b one that differs from a, where one does) in a batch together, and each in
+                # a batch with a copy of itself: the same terms unless the model computes across the batch
+                leaves = jax.tree.leaves(args)
+                rows = [jnp.reshape(leaf != leaf[:1], (jnp.shape(leaf)[0], -1)).any(1) for leaf in leaves]
+                b = jnp.argmax(jnp.any(jnp.stack(rows), axis=0)) if rows else jnp.int32(0)
+                pairs = jnp.stack([jnp.stack([0, b]), jnp.stack([0, 0]), jnp.stack([b, b])]).astype(jnp.int32)
+
+                def batch_terms(pair):
                     if plate_mode:
-                        return self._position_terms(params, key, args, kw, jnp.stack([0, other]).astype(jnp.int32))
-                    rows = jax.tree.map(lambda a: jnp.stack([a[0], a[other]]), args)
+                        return self._position_terms(params, key, args, kw, pair)
+                    rows = jax.tree.map(lambda a: a[pair], args)
                     return self._position_terms(params, key, rows, kw, jnp.arange(2, dtype=jnp.int32))
 
-                with_other, with_itself = lax.map(batch_terms, jnp.array([last, 0]))  # one traced model
-                same += [jnp.all(jnp.isclose(with_other, with_itself, rtol=1e-4, atol=1e-5, equal_nan=True))[None]]
+                together, a_alone, b_alone = lax.map(batch_terms, pairs)  # one traced model
+                alone = jnp.stack([a_alone[0], b_alone[1]])
+                same += [jnp.all(jnp.isclose(together, alone, rtol=1e-4, atol=1e-5, equal_nan=True))[None]]
                 return jnp.concatenate(same)
 
             self._isolation_checks[static] = losses
@@ -1132,7 +1154,7 @@ class DPSVI(SVI):
                     )
         if not same[-1]:
             raise ValueError(
-                "the terms of the first record change with the other records of its batch: the model computes "
+                "the terms of a record change with the other records of its batch: the model computes "
                 f"across the records of a batch inside the data plate {self.structure.plate_name!r} (a batch "
                 "statistic such as xb - jnp.mean(xb, 0) after numpyro.subsample, or batch normalization). DPSVI "
                 "computes each record's term in a batch of its own, to clip it, so such a model would be fitted as "
