@@ -159,11 +159,14 @@ def record_distribution(fn: Distribution, num_records: int | None = None) -> Dis
             base = fn.base_dist
             while isinstance(base, (MaskedDistribution, ExpandedDistribution, Independent)):
                 base = base.base_dist
+            if not any(cls in _FAMILIES for cls in type(base).__mro__):
+                family_of(base)  # no family either: that is the error to report
             raise ValueError(
                 f"The record distribution has event dimensions ({type(base).__name__}(...).to_event("
                 f"{fn.reinterpreted_batch_ndims}), event shape {fn.event_shape}); the sufficient-statistic "
-                "methods take one scalar family per cell. Write the cells of a record as a plate inside the "
-                "records' plate (with numpyro.plate('cells', D): dist.X(theta)) and name the records' plate "
+                "methods take one scalar family per cell. If the event dimension indexes the records, put them "
+                "in a numpyro.plate instead. If it holds the cells of one record, write them as a plate inside "
+                "the records' plate (with numpyro.plate('cells', D): dist.X(theta)) and name the records' plate "
                 "when releasing (privatize(..., record_plate=...)), or fit the model with DPSVI."
             )
         fn = fn.base_dist

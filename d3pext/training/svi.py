@@ -423,7 +423,9 @@ class DPSVI(SVI):
     :param public_kwargs: names of keyword arguments that are public arrays (they hold no record's data),
         for the rare one that has as many rows as the data or the batch, or an axis of N: DPSVI refuses such
         keyword arrays as likely record data passed by keyword (which would escape clipping) unless named
-        here. Declaring an array public that holds record data voids the guarantee.
+        here. Declaring an array public that holds record data voids the guarantee. Each record's term
+        gets the whole array, so it is read through a positional index column (``group_features[group]``),
+        never row by row with the batch (such a model is refused).
 
     **Example**
 
