@@ -46,6 +46,13 @@ imputed statistics ``f"{release}_stat"`` stay on the unit scale of the release.
    ``1[theta feasible]``, so the accepted draw is exact.
 3. ``1 / omega_j^2 | S``: inverse Gaussian (:func:`d3pext.inference.expfam_gibbs.laplace_mixing_variance`).
 
+**Accuracy at a few records.** Steps 1 and 2 are conditionals of two different joints (the CLT model of
+``S``, and the exact model given ``S``), as in the paper, so the chain samples neither model's posterior
+exactly. Measured against an importance-sampling reference (unit bounds, epsilon 20, unconstrained):
+``sigma2``'s posterior mean was 0.10-0.24 posterior sd too high and its sd 11-27% too wide at ``n = 3``
+and ``5``, while ``beta0``, ``beta1`` were within 0.04 sd; the CLT model's own posterior was within
+0.03 sd of the exact one there. With a handful of records read ``sigma2`` with that in mind.
+
 **Constraints on the statistics** (``u, v`` in ``[0, 1]``; each is a sum over records of a
 product that is non-negative on ``[0, 1]^2``, or the Gram matrix of ``(1, u, v)``):
 ``0 <= sum u <= n`` (``u``, ``1 - u``); ``0 <= sum u^2 <= sum u`` (``u^2``, ``u (1 - u)``);
