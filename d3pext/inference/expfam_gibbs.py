@@ -268,7 +268,7 @@ def _exact_truncated_poisson_update(draws, eta, n, y, noise_var, bounds):
     C(n, k) q_out^(n - k) conv^k(p_in)(s_c) N(y; s_c, sigma^2) on its support, then the n - k outside
     values from the Poisson restricted to the outside. All conditionals of the exact model."""
     a, b = bounds
-    lo, hi = max(math.ceil(a), 0), math.floor(b)
+    lo, hi = _lowest_count(a), math.floor(b)
     dtype = jnp.result_type(y)
     j = jnp.arange(hi + 1, dtype=dtype)
     logp = jnp.where(j >= lo, j * eta - jnp.exp(eta) - gammaln(j + 1), -jnp.inf)
@@ -302,11 +302,16 @@ def _exact_truncated_poisson_update(draws, eta, n, y, noise_var, bounds):
     return s_c, s_c + s_out
 
 
+def _lowest_count(a: float) -> int:
+    """The smallest count inside a lower bound ``a`` (which may be ``-inf``)."""
+    return 0 if not math.isfinite(a) else max(math.ceil(a), 0)
+
+
 def _exact_truncated_poisson(family: ExpFamily, n: int, y, bounds) -> bool:
     """Whether a truncated release of Poisson records is drawn exactly (:data:`EXACT_TRUNCATED_MAX`)."""
     a, b = bounds
     return (
-        family.name == "Poisson" and jnp.ndim(y) == 0 and math.isfinite(b) and math.floor(b) >= max(math.ceil(a), 0)
+        family.name == "Poisson" and jnp.ndim(y) == 0 and math.isfinite(b) and math.floor(b) >= _lowest_count(a)
         and n * math.floor(b) <= EXACT_TRUNCATED_MAX
     )
 
