@@ -38,6 +38,7 @@ __all__ = [
     "sample_posterior",
     "truncated_normal",
     "truncated_normal_from_uniforms",
+    "index_from_uniforms",
     "uniform_pairs",
 ]
 
@@ -149,6 +150,20 @@ def normal_from_uniforms(w: jax.Array) -> jax.Array:
 
 def log_uniform_from_uniforms(w: jax.Array) -> jax.Array:
     return jnp.log1p(w) - math.log(2.0)
+
+
+def index_from_uniforms(w: jax.Array, log_weights: jax.Array) -> jax.Array:
+    """An index of the last axis of ``log_weights`` drawn with probability proportional to its weight, by
+    inversion of the CDF (``w`` uniform on ``(-1, 1)``, shaped like ``log_weights`` less its last axis).
+
+    >>> import jax.numpy as jnp
+    >>> index_from_uniforms(jnp.array([-0.9, 0.9]), jnp.log(jnp.array([1.0, 1.0, 2.0])))
+    Array([0, 2], dtype=int32)
+    """
+    cdf = jnp.cumsum(jnp.exp(log_weights - jnp.max(log_weights, -1, keepdims=True)), -1)
+    u = 0.5 * (w + 1.0) * cdf[..., -1]
+    index = jnp.sum(cdf < u[..., None], -1, dtype=jnp.int32)
+    return jnp.minimum(index, log_weights.shape[-1] - 1)
 
 
 def truncated_normal(

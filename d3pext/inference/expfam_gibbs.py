@@ -79,6 +79,7 @@ from d3pext.distributions.expfam import (
 from d3pext.dtypes import float_dtype
 from d3pext.inference.draws import (
     SweepDraws,
+    index_from_uniforms,
     mixing_variance_from_uniforms,
     normal_from_uniforms,
     posterior_from_draws,
@@ -190,12 +191,10 @@ def _exact_count_update(draws, eta, total: int, y, noise_var):
     k = jnp.arange(total + 1, dtype=jnp.result_type(y))
     eta, noise_var = (jnp.broadcast_to(v, jnp.shape(y))[..., None] for v in (eta, noise_var))
     logp = eta * k + jnp.asarray(_log_binomial_coefficients(total), k.dtype) - 0.5 * (y[..., None] - k) ** 2 / noise_var
-    cdf = jnp.cumsum(jnp.exp(logp - jnp.max(logp, -1, keepdims=True)), -1)
-    u = 0.5 * (draws.pairs(jnp.shape(y))[0] + 1.0) * cdf[..., -1]
-    return jnp.minimum(jnp.sum(cdf < u[..., None], -1), total).astype(k.dtype)
+    return index_from_uniforms(draws.pairs(jnp.shape(y))[0], logp).astype(k.dtype)
 
 
-def _exact_count_trials(family: ExpFamily, n: int, y) -> int | None:
+def _exact_count_trials(family: ExpFamily, n: int) -> int | None:
     """The number of trials of a count statistic drawn exactly (:data:`EXACT_COUNT_MAX`), else None."""
     if family.name not in ("Bernoulli", "Binomial"):
         return None
@@ -204,7 +203,7 @@ def _exact_count_trials(family: ExpFamily, n: int, y) -> int | None:
 
 
 def _bounded_scalar_update(draws, family, eta, n, y, noise_var):
-    trials = _exact_count_trials(family, n, y)
+    trials = _exact_count_trials(family, n)
     if trials is not None:
         return _exact_count_update(draws, eta, trials, y, noise_var)
     mu, sigma = clt_moments(family, eta)
@@ -285,19 +284,15 @@ def _exact_truncated_poisson_update(draws, eta, n, y, noise_var, bounds):
     _, rows = lax.scan(step, row0, None, length=n)
     table = jnp.concatenate([row0[None], rows], 0)  # (n + 1, L): k records inside
     k = jnp.arange(n + 1, dtype=dtype)
-    log_binom = gammaln(n + 1.0) - gammaln(k + 1) - gammaln(n - k + 1)
+    log_binom = jnp.asarray(_log_binomial_coefficients(n), dtype)
     s = jnp.arange(L, dtype=dtype)
     logw = log_binom[:, None] + (n - k)[:, None] * log_q_out + table - 0.5 * (y - s[None]) ** 2 / noise_var
-    cdf = jnp.cumsum(jnp.exp(logw - jnp.max(logw)).ravel())
-    u = 0.5 * (draws.pairs(())[0] + 1.0) * cdf[-1]
-    idx = jnp.minimum(jnp.sum(cdf < u), cdf.size - 1)
+    idx = index_from_uniforms(draws.pairs(())[0], logw.ravel())
     k_in, s_c = idx // L, (idx % L).astype(dtype)
     # outside values: inversion on [0, lo) U (hi, hi + OUTSIDE_WIDTH]
     x = jnp.concatenate([jnp.arange(lo), jnp.arange(hi + 1, hi + 1 + OUTSIDE_WIDTH)]).astype(dtype)
-    lp = x * eta - gammaln(x + 1)
-    ocdf = jnp.cumsum(jnp.exp(lp - jnp.max(lp)))
     w = draws.pairs(((n + 1) // 2,)).ravel()[:n]
-    picks = jnp.minimum(jnp.sum(ocdf[None] < (0.5 * (w + 1.0) * ocdf[-1])[:, None], 1), x.size - 1)
+    picks = index_from_uniforms(w, jnp.broadcast_to(x * eta - gammaln(x + 1), (n, x.size)))
     s_out = jnp.sum(jnp.where(jnp.arange(n) < n - k_in, x[picks], 0.0))
     return s_c, s_c + s_out
 

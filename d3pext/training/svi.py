@@ -1127,8 +1127,8 @@ class DPSVI(SVI):
                 # two records a, b (b one that differs from a, where one does) in a batch together, and each in
                 # a batch with a copy of itself: the same terms unless the model computes across the batch
                 leaves = jax.tree.leaves(args)
-                rows = [jnp.reshape(leaf != leaf[:1], (jnp.shape(leaf)[0], -1)).any(1) for leaf in leaves]
-                b = jnp.argmax(jnp.any(jnp.stack(rows), axis=0)) if rows else jnp.int32(0)
+                differs = [jnp.reshape(leaf != leaf[:1], (jnp.shape(leaf)[0], -1)).any(1) for leaf in leaves]
+                b = jnp.argmax(jnp.any(jnp.stack(differs), axis=0)) if differs else jnp.int32(0)
                 pairs = jnp.stack([jnp.stack([0, b]), jnp.stack([0, 0]), jnp.stack([b, b])]).astype(jnp.int32)
 
                 def batch_terms(pair):
