@@ -645,9 +645,10 @@ def _exact_over_clt(s, theta, sigma2, m, n):
     ``G = X'X`` (``X = (1, u)``), ``X'y ~ N(G theta, sigma^2 G)`` and the residual sum of squares of
     the least-squares fit, ``y'y - y'X G^{-1} X'y ~ sigma^2 chi^2_{n - 2}``, independent of ``X'y``.
     Given ``S`` its conditional of ``(theta, sigma_u^2)`` is the conjugate one (:func:`nig_posterior`).
-    The CLT factors (:func:`statistic_factor`, ``L`` unit lower triangular) into the covariate's part,
-    ``E = X'y - G theta = (sum e, sum u e) ~ N(0, n sigma^2 [[1, m_1], [m_1, m_2]])`` and ``sum e^2 ~
-    N(n sigma^2, 2 n sigma^4)`` (``e = v - theta_0 - theta_1 u``), so the covariate's part cancels."""
+    The CLT factors too (:func:`statistic_factor`, ``L`` unit lower triangular): the same law of the
+    covariate's sums (which cancels) times ``E = X'y - G theta = (sum e, sum u e) ~ N(0, n sigma^2
+    [[1, m_1], [m_1, m_2]])`` times ``sum e^2 ~ N(n sigma^2, 2 n sigma^4)`` (``e = v - theta_0 -
+    theta_1 u``)."""
     m1, m2 = m[0], m[1]
     t0, t1 = theta[0], theta[1]
     sx, sxx, sy, sxy, syy, cxx, cyy, cxy = _gram_parts(s, n)
