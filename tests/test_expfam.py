@@ -343,6 +343,32 @@ def test_conjugate_update_sees_user_distributions_masks_and_scales():
     assert _conjugate_params(kernel(prior_mask=False)) == []
 
 
+def test_exact_count_vector_draw_matches_its_conditional():
+    """``s | theta, sigma^2`` of a categorical count vector, drawn by inversion over the compositions of
+    its total, against ``Multinomial(s; total, p) prod_j N(y_j; s_j, sigma_j^2)`` (a release partly outside
+    the simplex): a chi-square goodness-of-fit test over the count vectors; the table is every vector."""
+    import itertools
+    from d3pext.inference.expfam_gibbs import _compositions, _exact_count_vector_update
+
+    total, eta = 5, jnp.log(jnp.array([0.5, 0.3, 0.2]))
+    y, noise_var = jnp.array([1.5, 4.0, -1.0]), jnp.array([2.0, 0.5, 8.0])
+    table, _ = _compositions(total, 3)
+    assert sorted(map(tuple, table)) == sorted(c for c in itertools.product(range(total + 1), repeat=3) if sum(c) == total)
+
+    def one(key):
+        return _exact_count_vector_update(SweepDraws.per_call(key, jnp.float32), eta, total, y, noise_var)
+
+    draws = np.asarray(jax.vmap(one)(random.split(random.key(0), 100_000))).astype(int)
+    index = {tuple(c): i for i, c in enumerate(table)}
+    counts = np.bincount([index[tuple(d)] for d in draws], minlength=len(table))
+    log_w = stats.multinomial.logpmf(table, total, [0.5, 0.3, 0.2]) - 0.5 * np.sum((np.asarray(y) - table) ** 2 / np.asarray(noise_var), 1)
+    w = np.exp(log_w - log_w.max())
+    w /= w.sum()
+    seen = w > 1e-9
+    assert counts[~seen].sum() == 0
+    assert stats.chisquare(counts[seen], w[seen] / w[seen].sum() * len(draws)).pvalue > 1e-3
+
+
 def test_exact_count_draw_matches_its_conditional():
     """``s | theta, sigma^2`` of a count statistic, drawn by inversion on ``{0..n}``, against
     ``Binomial(s; n, theta) N(y; s, sigma^2)`` element by element (a vector release, a release far outside
