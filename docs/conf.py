@@ -56,6 +56,11 @@ extensions = [
     "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
 ]
+# D3PEXT_DOCS_SOURCE_PAGES=0 leaves out the highlighted module sources (sphinx.ext.viewcode: the
+# "[source]" links and the _modules/ pages), about a fifth of the build. tests/test_docs.py builds so:
+# viewcode never warns (it logs only at debug and verbose level), so the build's warnings are the same.
+if os.environ.get("D3PEXT_DOCS_SOURCE_PAGES", "1") == "0":
+    extensions.remove("sphinx.ext.viewcode")
 
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints", "README.md"]

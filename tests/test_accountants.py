@@ -657,6 +657,14 @@ def test_shrink_bracket_stops_where_accepted():
     assert hi - lo <= 1e-6 and lo < 0.3 <= hi
 
 
+def _dense_chernoff(x, p, units, log_tail, dense):
+    """The best Chernoff windows above and below over the lams ``dense`` (a sweep of the log-MGF of
+    the loss ``x`` of probabilities ``p``, all lams at once: a loop of scipy calls took 9 s a test)."""
+    lams = np.concatenate([dense, -dense])[:, None]
+    g = (units * scipy.special.logsumexp(lams * x, b=p, axis=1) - log_tail) / np.abs(lams[:, 0])
+    return float(np.min(g[: dense.size])), float(np.min(g[dense.size :]))
+
+
 @pytest.mark.parametrize("wide", [False, True])
 def test_point_chernoff_is_valid_and_near_the_best_lam(wide):
     # A skewed three-point loss composed exactly: the Chernoff windows hold all but exp(log_tail) of the
@@ -676,8 +684,7 @@ def test_point_chernoff_is_valid_and_near_the_best_lam(wide):
     assert composed[values < -below - 1e-12].sum() <= math.exp(log_tail)
     log_mgf = lambda lam: scipy.special.logsumexp(lam * x, b=p)
     dense = np.geomspace(1e-3, 1e3, 4001)
-    best_above = min((units * log_mgf(l) - log_tail) / l for l in dense)
-    best_below = min((units * log_mgf(-l) - log_tail) / l for l in dense)
+    best_above, best_below = _dense_chernoff(x, p, units, log_tail, dense)
     assert best_above * (1 - 1e-3) <= above <= best_above * 1.01
     assert best_below * (1 - 1e-3) <= below <= best_below * 1.01
     assert (units * log_mgf(lam) - log_tail) / lam == pytest.approx(above)
@@ -694,8 +701,7 @@ def test_newton_chernoff_is_valid_and_at_the_best_lam(wide):
     above, lam, below, log_mgf_at_lam = fourier._newton_chernoff(x, p, units, log_tail, wide=wide)
     log_mgf = lambda lam: scipy.special.logsumexp(lam * x, b=p)
     dense = np.geomspace(1e-3, 1e3, 40001)
-    best_above = min((units * log_mgf(l) - log_tail) / l for l in dense)
-    best_below = min((units * log_mgf(-l) - log_tail) / l for l in dense)
+    best_above, best_below = _dense_chernoff(x, p, units, log_tail, dense)
     assert best_above * (1 - 1e-6) <= above <= best_above * (1 + 1e-6)
     assert best_below * (1 - 1e-6) <= below <= best_below * (1 + 1e-6)
     assert (units * log_mgf(lam) - log_tail) / lam == pytest.approx(above, rel=1e-12)

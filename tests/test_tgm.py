@@ -90,11 +90,15 @@ def mp_tgm_log_weights(alpha, beta, lam, tau, upper):
     return w1, w2
 
 
+# tau and upper traced: one compile for the four cases below (as constants, one each)
+_tgm_log_weights = jax.jit(lambda b, tau, upper: tgm_log_weights(21.0, b, 10.75, tau, upper))
+
+
 @pytest.mark.parametrize("upper", [math.inf, 0.25])
 @pytest.mark.parametrize("tau", [0.22, -0.05])
 def test_tgm_weights_match_mpmath(x64, tau, upper):
     betas = jnp.array(TGM_BETAS)
-    lw1, lw2 = jax.jit(lambda b: tgm_log_weights(21.0, b, 10.75, tau, upper))(betas)
+    lw1, lw2 = _tgm_log_weights(betas, tau, upper)
     for beta, g1, g2 in zip(TGM_BETAS, np.asarray(lw1), np.asarray(lw2)):
         w1, w2 = mp_tgm_log_weights(21.0, beta, 10.75, tau, upper)
         ref1 = -mp.inf if w1 == 0 else mp.log(w1)  # unregularized: Gamma(alpha) included
