@@ -66,6 +66,7 @@ from jax import lax, random
 from jax.scipy.special import gammaln
 import jax.numpy as jnp
 import numpy as np
+from scipy import special
 
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.gibbs import conditioned
@@ -176,12 +177,18 @@ EXACT_COUNT_MAX = 256
 30 trials on)."""
 
 
-def _log_binomial_coefficients(total: int) -> np.ndarray:
-    """``log C(total, k)`` for ``k = 0..total``, in float64 on the host, less their maximum (the values
-    near the mode, which carry the mass, keep their precision in float32)."""
-    k = np.arange(total + 1)
-    logc = np.array([math.lgamma(total + 1) - math.lgamma(i + 1) - math.lgamma(total - i + 1) for i in k])
+def _log_multinomial_coefficients(counts: np.ndarray) -> np.ndarray:
+    """``log(total! / prod_j counts_j!)`` per row of ``counts`` (total = the row's sum), in float64 on the
+    host, less their maximum (the values near the mode, which carry the mass, keep their precision in
+    float32)."""
+    logc = special.gammaln(counts.sum(-1) + 1) - special.gammaln(counts + 1).sum(-1)
     return logc - logc.max()
+
+
+def _log_binomial_coefficients(total: int) -> np.ndarray:
+    """``log C(total, k)`` for ``k = 0..total``, less their maximum."""
+    k = np.arange(total + 1)
+    return _log_multinomial_coefficients(np.stack([k, total - k], -1))
 
 
 def _exact_count_update(draws, eta, total: int, y, noise_var):
@@ -221,8 +228,7 @@ def _compositions(total: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     bars = np.array(list(itertools.combinations(range(total + k - 1), k - 1)), dtype=np.int64)
     edges = np.concatenate([np.full((len(bars), 1), -1), bars, np.full((len(bars), 1), total + k - 1)], 1)
     counts = np.diff(edges, axis=1) - 1
-    logc = math.lgamma(total + 1) - np.sum([[math.lgamma(c + 1) for c in row] for row in counts], 1)
-    return counts, logc - logc.max()
+    return counts, _log_multinomial_coefficients(counts)
 
 
 def _exact_count_vector_total(family: ExpFamily, n: int, y) -> int | None:
