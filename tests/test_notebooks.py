@@ -24,12 +24,14 @@ def _missing_requirements() -> str:
 
 # Notebooks whose CI size takes 35-50 s on the shared 2-core machine, almost all of it compiling
 # (SPPE's and SPLE's flows, NUTS and the IS reference; six Poisson-factorization Gibbs samplers; six
-# bounded-Gaussian samplers): run with ``pytest -m slow``; their code paths have fast twins in the unit
-# tests (test_sbi.py's SPPE/SPLE fits, test_sir.py's ABC, test_naive_bayes.py's simulator,
-# test_counts.py, test_bounded.py's posteriors of the same blood-lead release). The others take 21-40 s.
+# bounded-Gaussian samplers; four regression samplers, two epsilons by two variants): run with
+# ``pytest -m slow``; their code paths have fast twins in the unit tests (test_sbi.py's SPPE/SPLE fits,
+# test_sir.py's ABC, test_naive_bayes.py's simulator, test_counts.py, test_bounded.py's posteriors of the
+# same blood-lead release, test_regression.py's samplers and test_readme.py's run of the README's
+# constrained regression, the notebook's model and release). The others take 21-32 s.
 HEAVY = {
     "sppe_sple.ipynb", "locally_private_counts.ipynb", "sppe_sir.ipynb", "sppe_naive_bayes.ipynb",
-    "bounded_gaussian.ipynb",
+    "bounded_gaussian.ipynb", "constrained_regression.ipynb",
 }
 
 
