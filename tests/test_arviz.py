@@ -73,7 +73,13 @@ CASES = {
     "clt/normal-approximation": _beta_binomial,
 }
 FAST = {"gibbs/bernstein-sheldon"}
-NUM_CHAINS, NUM_SAMPLES = 2, 10
+# test_predictive_release_follows_the_posterior takes the fast case's settings, and so its compiled sampler
+NUM_WARMUP, NUM_CHAINS, NUM_SAMPLES = 5, 2, 100
+
+
+def _predictive(model, samples, key, *args):
+    """``Predictive(model, samples)(key, *args)`` as one compiled program (op by op: dozens)."""
+    return jax.jit(lambda key, samples: Predictive(model, samples)(key, *args))(key, samples)
 
 
 def test_cases_cover_every_builtin_kernel_backend():
@@ -86,7 +92,7 @@ def test_cases_cover_every_builtin_kernel_backend():
 def test_from_numpyro_and_predictive(case):
     model, release, args = CASES[case]()
     method = case.split("/")[0]
-    mcmc = private_posterior(model, release, method=method, num_warmup=5, num_samples=NUM_SAMPLES,
+    mcmc = private_posterior(model, release, method=method, num_warmup=NUM_WARMUP, num_samples=NUM_SAMPLES,
                              num_chains=NUM_CHAINS, progress_bar=False)
     mcmc.run(jax.random.key(0), *args)
     samples = mcmc.get_samples()
@@ -104,7 +110,7 @@ def test_from_numpyro_and_predictive(case):
 
     # posterior predictive of the releases: Predictive on the privatized model itself
     draws = NUM_CHAINS * NUM_SAMPLES
-    pred = Predictive(model, samples)(jax.random.key(1), *args)
+    pred = _predictive(model, samples, jax.random.key(1), *args)
     for name, value in release.items():
         assert pred[name].shape == (draws, *jnp.shape(value)), name
         assert bool(jnp.all(jnp.isfinite(pred[name])))
@@ -114,12 +120,15 @@ def test_from_numpyro_and_predictive(case):
 
 
 def test_predictive_release_follows_the_posterior():
-    """The release's predictive draws are centred where the posterior puts the statistic."""
+    """The release's predictive draws are centred where the posterior puts the statistic (200 draws:
+    the sampler of the fast case of test_from_numpyro_and_predictive, another key)."""
     model, release, args = _beta_binomial()
-    mcmc = private_posterior(model, release, num_warmup=50, num_samples=200, progress_bar=False)
+    mcmc = private_posterior(model, release, num_warmup=NUM_WARMUP, num_samples=NUM_SAMPLES,
+                             num_chains=NUM_CHAINS, progress_bar=False)
     mcmc.run(jax.random.key(2), *args)
     theta = mcmc.get_samples()["theta"]
-    pred = Predictive(model, {"theta": theta})(jax.random.key(3), *args)
+    assert theta.shape == (200,)
+    pred = _predictive(model, {"theta": theta}, jax.random.key(3), *args)
     assert pred["x"].shape == (200, 100)  # the (simulated) confidential records come along
     # x_dp = sum(x) + Laplace(1): its mean is 100 E[theta]
     sd = float(jnp.std(pred["x_dp"])) / np.sqrt(200)

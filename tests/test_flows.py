@@ -7,14 +7,18 @@ import sys
 import numpy as np
 import pytest
 
+import jax
 from jax import random
 import jax.numpy as jnp
 
 pytest.importorskip("flowjax")
 
+import equinox as eqx  # noqa: E402 (flowjax's dependency)
+
 from d3pext.simulation.flows import FlowTrainer, conditional_spline_flow, require_flowjax  # noqa: E402
 
 
+@functools.partial(jax.jit, static_argnums=1)  # one program (op by op: a dozen)
 def _gaussian_data(key, n):
     kc, ky = random.split(key)
     c = random.uniform(kc, (n, 1), minval=-1, maxval=1)
@@ -76,7 +80,8 @@ def test_fast_fit_skips_nonfinite_steps(small_trainer):
     assert report.nonfinite_steps == report.epochs  # one poisoned batch per epoch, skipped
     assert all(math.isfinite(v) for v in report.train_losses)
     assert report.best_valid_loss < report.valid_losses[0] - 0.3
-    draws = flow2.sample(random.key(3), (2000,), condition=jnp.array([0.8]))
+    # one compiled program (eagerly, flowjax compiles its layer scan again for every operation)
+    draws = eqx.filter_jit(lambda f, k: f.sample(k, (2000,), condition=jnp.array([0.8])))(flow2, random.key(3))
     assert float(draws[:, 0].mean()) > 0.8 and float(draws[:, 1].mean()) < -0.3
 
 

@@ -186,8 +186,11 @@ def test_hierarchical_runs_and_approaches_oracle():
 
     Paired on one test set of 2000 records: the unpaired AUC standard error is about 0.01, the paired
     difference's much smaller, so a fit that misses the group structure (pooled AUC here: 0.92) fails.
+    400 steps (40 epochs) come as close as 1500 did: AUC 0.962 against the oracle's 0.965 (1500 steps:
+    0.965), and within 0.003 of it for data keys 4-6; a model that gives every record group 0's weights
+    ends at 0.49 (0.37-0.72 for keys 4-6).
     """
-    data, (train, _), auc_fit, auc_oracle = _hierarchical_fit(1500)
+    data, (train, _), auc_fit, auc_oracle = _hierarchical_fit(400)
     assert auc_fit > auc_oracle - 0.02, (auc_fit, auc_oracle)
     dpsvi = DPSVI(hierarchical_logistic_regression, hierarchical_logistic_guide, numpyro.optim.Adam(0.01),
                   Trace_ELBO(), clipping_threshold=1.0, dp_scale=1.0)  # fmt: skip

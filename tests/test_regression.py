@@ -15,7 +15,7 @@ import scipy.special as sps
 import scipy.stats as st
 
 from numpyro.diagnostics import effective_sample_size
-from numpyro.handlers import seed, trace
+from numpyro.handlers import seed, substitute, trace
 
 import d3pext.inference.regression as R
 from d3pext.inference.draws import uniform_pairs
@@ -141,6 +141,11 @@ PRIOR_A = R.RegressionNIG(mu0=(0.5, 0.0), Lambda0=((0.1, 0.0), (0.0, 0.1)), a0=2
 PRIOR_B = R.RegressionNIG(mu0=(0.5, 0.0), Lambda0=((0.1, 0.0), (0.0, 0.1)), a0=2.0, b0=2.0)
 
 
+# jitted: eager, each of its 40 operations compiled apart for every shape (3 s in this file)
+_feasible = jax.jit(R.feasible_statistics, static_argnums=1)
+
+
+@functools.lru_cache(maxsize=None)
 def _s_setting():
     mu, cov = (np.asarray(a) for a in R.statistic_moments(THETA_S, S2_S, M_S))
     prior_cov = N_S * cov
@@ -250,9 +255,9 @@ def _check_conditionals(num, ref_num):
     np.testing.assert_allclose(s_unc.std(0), ref_sd, rtol=0.04)
     # S, constrained: the CLT's Gaussian restricted to the feasible set (NumPy rejection)
     ref = rng.multivariate_normal(post_mean, post_cov, ref_num)
-    ok = np.asarray(R.feasible_statistics(jnp.asarray(ref), N_S))
+    ok = np.asarray(_feasible(ref, N_S))
     assert 0.5 < ok.mean() < 0.95  # the restriction bites
-    assert bool(np.all(np.asarray(R.feasible_statistics(jnp.asarray(s_con), N_S))))
+    assert bool(np.all(np.asarray(_feasible(s_con, N_S))))
     _assert_same_mean(s_con, ref[ok])
     assert np.any(np.abs(ref[ok].mean(0) - post_mean) > 8 * np.sqrt(np.diag(post_cov) / num))
     assert st.ks_2samp(s_con[:, 4], ref[ok][:, 4]).pvalue > 1e-3
@@ -290,7 +295,7 @@ def test_an_empty_rejection_keeps_the_previous_value(x64):
     assert 0.05 < s_ok.mean() < 0.95 and 0.05 < p_ok.mean() < 0.95, (s_ok.mean(), p_ok.mean())
     assert np.array_equal(s[~s_ok], np.broadcast_to(s_old, s[~s_ok].shape))
     assert not np.any(np.all(s[s_ok] == s_old, -1))
-    assert bool(np.all(np.asarray(R.feasible_statistics(jnp.asarray(s), N_S))))
+    assert bool(np.all(np.asarray(_feasible(s, N_S))))
     assert np.array_equal(theta[~p_ok], np.broadcast_to(S_OLD_THETA, theta[~p_ok].shape))
     assert np.all(s2[~p_ok] == S_OLD_S2) and np.all(s2[p_ok] != S_OLD_S2) and np.all(s2 <= 0.25)
     assert bool(np.all(np.asarray(R.feasible_coefficients(theta[:, 0], theta[:, 1]))))
@@ -359,7 +364,7 @@ def test_large_epsilon_limit_and_exhausted_rejection(x64, limit_setting):
         mcse = draws.std() / math.sqrt(float(effective_sample_size(draws)))
         assert abs(draws.mean() - target) < 4 * mcse + 1e-3 * abs(target), (draws.mean(), target, mcse)
     stats = np.asarray(out["records_dp_stat"][0]).reshape(-1, 5)
-    assert bool(np.all(np.asarray(R.feasible_statistics(jnp.asarray(stats), n))))
+    assert bool(np.all(np.asarray(_feasible(stats, n))))
     np.testing.assert_allclose(stats.mean(0), s_true, atol=1e-3)
     # the same compiled sampler on a release far from every feasible statistic
     impossible = np.asarray(release["records_dp"]).copy()
@@ -416,13 +421,12 @@ def test_unconstrained_sampler_matches_its_model_at_five_records(x64):
     mean, sd, ess = _sampler_model_reference(z, n, scale, moments, prior, 2_000_000, np.random.default_rng(0))
     assert ess > 3000
     model = private_constrained_regression(n, eps, (0.0, 1.0), (0.0, 1.0), prior, constrained=False, x_moment_share=share)
-    release = {"records_dp": jnp.asarray(z), "records_moments_dp": jnp.asarray(n * moments)}
-    mcmc = private_posterior(model, release, num_warmup=300, num_samples=1500, num_chains=8,
-                             chain_method="vectorized", progress_bar=False)
-    mcmc.run(jax.random.key(1))
-    samples = mcmc.get_samples(group_by_chain=True)
+    # sample_releases: one compiled program (MCMC compiles its init and its loop apart); the draws are those of
+    # private_posterior(..., chain_method="vectorized")
+    release = {"records_dp": jnp.asarray(z)[None], "records_moments_dp": jnp.asarray(n * moments)[None]}
+    samples = sample_releases(model, release, jax.random.key(1), num_warmup=300, num_samples=1500, num_chains=8)
     for j, site in enumerate(("beta0", "beta1", "sigma2")):  # unit bounds: the original scale is the unit scale
-        draws = np.asarray(samples[site])
+        draws = np.asarray(samples[site][0])
         mcse = draws.std() / math.sqrt(float(effective_sample_size(draws)))
         se = math.hypot(mcse, sd[j] / math.sqrt(ess))
         assert abs(draws.mean() - mean[j]) < 4 * se, (site, draws.mean(), mean[j], se)
@@ -467,7 +471,8 @@ def test_exact_over_clt_is_the_density_ratio(x64):
 def test_release_ledger_and_noise_scale(x64, limit_setting):
     model, release, records, _, n, ledger = limit_setting
     assert ledger.spent() == pytest.approx((EPS_LIMIT, 0.0)) and len(ledger) == 2
-    tr = trace(seed(model, 0)).get_trace(records=records)
+    # the parameters substituted: drawing them eagerly compiled an inverse-gamma and a normal sampler (2 s)
+    tr = trace(substitute(seed(model, 0), data={"beta0": 0.3, "beta1": 0.4, "sigma2": 0.02})).get_trace(records=records)
     info_s, info_x = (tr[k]["infer"]["privatize"] for k in ("records_dp", "records_moments_dp"))
     assert info_s.sensitivity == 5.0 and info_x.sensitivity == 4.0
     assert info_s.mechanism.epsilon == pytest.approx((1 - SHARE) * EPS_LIMIT)

@@ -128,31 +128,52 @@ def mp_tgm_cdf(alpha, beta, lam, tau, upper, x):
 TGM_SAMPLES = 10000
 
 
+# Two compiled programs shared by the TGM tests: the draws (the sampler with its inversion fallback), and the
+# CDF and log density at (5, TGM_SAMPLES) values, which the fallback=False tests below use too. (One program
+# for both compiled about as long as these two apart, and the fallback=False program compiled a CDF of its
+# own: 48 s of CPU for the three programs, 37 s now.)
+
+
 @jax.jit
-def _tgm_batch(key, alpha, beta, lam, tau, upper, xs):
-    """Draws, CDF at the draws, CDF and log density at ``xs``, for 5 TGMs at once (one compile
-    shared by the TGM tests)."""
-
-    def one(k, a, b, l, t, u, x):
-        d = TGM(a, b, l, t, u)
-        draws = d.sample(k, (TGM_SAMPLES,))
-        return draws, d.cdf(draws), d.cdf(x), d.log_prob(jnp.clip(x, 0.0, u))
-
+def _tgm_draws(key, alpha, beta, lam, tau, upper):
+    """TGM_SAMPLES draws of each of 5 TGMs."""
     keys = jax.random.split(key, alpha.shape[0])
-    return jax.vmap(one)(keys, alpha, beta, lam, tau, upper, xs)
+    return jax.vmap(lambda k, *p: TGM(*p).sample(k, (TGM_SAMPLES,)))(keys, alpha, beta, lam, tau, upper)
 
 
-def tgm_batch(seed, beta, tau, upper, xs=None, alpha=21.0, lam=10.75):
-    beta = np.broadcast_to(np.asarray(beta, np.float64), (5,))
-    args = [np.broadcast_to(np.asarray(v, np.float64), (5,)) for v in (alpha, beta, lam, tau, upper)]
-    xs = np.full((5, 6), 0.1) if xs is None else np.broadcast_to(np.asarray(xs, np.float64), (5, len(xs)))
-    out = _tgm_batch(jax.random.key(seed), *(jnp.asarray(v) for v in args), jnp.asarray(xs))
-    return [np.asarray(v) for v in out]
+@jax.jit
+def _tgm_cdf_log_prob(alpha, beta, lam, tau, upper, values):
+    """CDF and log density of each of 5 TGMs at its row of ``values`` (5, TGM_SAMPLES)."""
+
+    def one(a, b, l, t, u, x):
+        d = TGM(a, b, l, t, u)
+        return d.cdf(x), d.log_prob(jnp.clip(x, 0.0, u))
+
+    return jax.vmap(one)(alpha, beta, lam, tau, upper, values)
+
+
+def _tgm_params(beta, tau, upper, alpha=21.0, lam=10.75):
+    return [jnp.asarray(np.broadcast_to(np.asarray(v, np.float64), (5,))) for v in (alpha, beta, lam, tau, upper)]
+
+
+def tgm_cdf(params, values):
+    """CDF and log density (NumPy) at ``values``: (5, TGM_SAMPLES), or one row for all 5 TGMs, repeated to
+    TGM_SAMPLES (the first ``len(values)`` columns are those values)."""
+    values = np.broadcast_to(np.resize(np.asarray(values, np.float64), np.shape(values)[:-1] + (TGM_SAMPLES,)),
+                             (5, TGM_SAMPLES))
+    return [np.asarray(v) for v in _tgm_cdf_log_prob(*params, jnp.asarray(values))]
+
+
+def tgm_batch(seed, beta, tau, upper, alpha=21.0, lam=10.75):
+    """Draws of 5 TGMs and their CDF at the draws."""
+    params = _tgm_params(beta, tau, upper, alpha, lam)
+    x = np.asarray(_tgm_draws(jax.random.key(seed), *params))
+    return x, tgm_cdf(params, x)[0]
 
 
 def test_tgm_cdf_and_log_prob_exact(x64):
     xs = np.array([0.05, 0.15, 0.2, 0.22, 0.23, 0.249])
-    _, _, cdf, log_prob = tgm_batch(0, 100.0, 0.22, 0.25, xs)
+    cdf, log_prob = tgm_cdf(_tgm_params(100.0, 0.22, 0.25), xs)
     for x, c in zip(xs, cdf[0]):
         assert c == pytest.approx(mp_tgm_cdf(21.0, 100.0, 10.75, 0.22, 0.25, x), rel=1e-10)
     # the density is the derivative of the CDF (both sides of the kink at tau)
@@ -166,7 +187,7 @@ def test_tgm_cdf_and_log_prob_exact(x64):
 @pytest.mark.parametrize("upper", [math.inf, 0.25])
 def test_tgm_sampler_gof(x64, upper):
     # beta over the whole range of Example 1; KS + chi-square on F(x)
-    x, u, _, _ = tgm_batch(6, TGM_BETAS, 0.22, upper)
+    x, u = tgm_batch(6, TGM_BETAS, 0.22, upper)
     assert np.all(np.isfinite(x)) and np.all(x > 0) and np.all(x <= upper)
     for beta, ui in zip(TGM_BETAS, u):
         assert pit_gof(ui) > GOF_THRESHOLD, beta
@@ -179,7 +200,7 @@ def test_tgm_sampler_gof(x64, upper):
 
 def test_tgm_sampler_degenerate_components(x64):
     # tau <= 0: Gamma(alpha, beta + lam) on (0, upper]; tau >= upper: Gamma(alpha, beta - lam)
-    x, _, _, _ = tgm_batch(2, 100.0, [-0.1, -0.1, 0.5, 0.5, 0.22], 0.25)
+    x, _ = tgm_batch(2, 100.0, [-0.1, -0.1, 0.5, 0.5, 0.22], 0.25)
     for xi, rate in zip(x[:4], [110.75, 110.75, 89.25, 89.25]):
         g = st.gamma(21.0, scale=1 / rate)
         assert st.kstest(xi, lambda v: g.cdf(v) / g.cdf(0.25)).pvalue > GOF_THRESHOLD
@@ -249,7 +270,14 @@ def test_truncated_gamma_sampler_deep_tail_gof(x64):
 IG_MEANS = [1.0, 1e4, 1e8, 1e12, math.inf]
 
 
-_ig_sample = jax.jit(lambda key, m, lam: InverseGaussian(m, lam).sample(key, (TGM_SAMPLES,)))
+@jax.jit
+def _ig_sample(key, m, lam):
+    """Draws and the CDF at the first 200 (one compile for every mean; eager, the CDF compiled each operation)."""
+    d = InverseGaussian(m, lam)
+    x = d.sample(key, (TGM_SAMPLES,))
+    return x, d.cdf(x[:200])
+
+
 _mixing = jax.jit(lambda key, gap, b: laplace_mixing_variance(key, jnp.full(TGM_SAMPLES, gap), b))
 
 
@@ -260,11 +288,10 @@ def _ig_ref(mean, lam):
 @pytest.mark.parametrize("mean", IG_MEANS)
 def test_inverse_gaussian_gof_large_mean(x64, mean):
     lam = 4.0
-    x = np.asarray(_ig_sample(jax.random.key(7), jnp.float64(mean), lam))
+    x, cdf = (np.asarray(v) for v in _ig_sample(jax.random.key(7), jnp.float64(mean), lam))
     assert np.all(np.isfinite(x)) and np.all(x > 0)
     ref = _ig_ref(mean, lam)
     assert pit_gof(ref.cdf(x)) > GOF_THRESHOLD
-    cdf = np.asarray(InverseGaussian(mean, lam).cdf(jnp.array(x[:200])))
     np.testing.assert_allclose(cdf, ref.cdf(x[:200]), rtol=1e-8, atol=1e-12)
 
 
@@ -284,7 +311,7 @@ def test_laplace_mixing_precision_gof(x64, gap):
 def test_tgm_sampler_gof_slow(x64, tau, upper):
     for seed, betas in enumerate(np.geomspace(11.0, 1e8, 15).reshape(3, 5)):
         for rep in range(5):
-            _, u, _, _ = tgm_batch(100 * seed + rep, betas, tau, upper)
+            _, u = tgm_batch(100 * seed + rep, betas, tau, upper)
             for beta, ui in zip(betas, u):
                 assert pit_gof(ui) > GOF_THRESHOLD / 10, beta
 
@@ -371,7 +398,7 @@ def test_tgm_rejection_regimes_gof(x64):
     lam = [10.75, 10.75, 1000.0, 10.75, 10.75]
     tau = [0.02, 0.02, 0.01, 3.0, 2e-4]
     upper = [0.25, 0.25, math.inf, 0.25, 2.5e-4]
-    _, u, _, _ = tgm_batch(12, beta, tau, upper, alpha=alpha, lam=lam)
+    _, u = tgm_batch(12, beta, tau, upper, alpha=alpha, lam=lam)
     for params, ui in zip(zip(alpha, beta, lam, tau, upper), u):
         assert pit_gof(ui) > GOF_THRESHOLD, params
 
@@ -382,46 +409,52 @@ def test_tgm_rejection_regimes_gof(x64):
 
 @jax.jit
 def _no_fallback_batch(key, a, rate, low, high, alpha, beta, lam, tau, upper):
+    """TGM_SAMPLES draws of each of 8 truncated gammas and 5 TGMs (their CDF: _tgm_cdf_log_prob)."""
     from d3pext.distributions.truncated_gamma import tgm_from_uniforms, truncated_gamma_from_uniforms
 
-    def one_gamma(k, *p):
-        k_u, k_r = jax.random.split(k)
-        u = jax.random.uniform(k_u, (2, TGM_SAMPLES), jnp.float64, minval=1e-300)
-        return truncated_gamma_from_uniforms(u, k_r, *p, fallback=False)
+    def one(sampler):
+        def draw(k, *p):
+            k_u, k_r = jax.random.split(k)
+            u = jax.random.uniform(k_u, (2, TGM_SAMPLES), jnp.float64, minval=1e-300)
+            return sampler(u, k_r, *p, fallback=False)
 
-    def one_tgm(k, *p):
-        k_u, k_r = jax.random.split(k)
-        u = jax.random.uniform(k_u, (2, TGM_SAMPLES), jnp.float64, minval=1e-300)
-        x = tgm_from_uniforms(u, k_r, *p, fallback=False)
-        return x, TGM(*p).cdf(x)
+        return draw
 
     k1, k2 = jax.random.split(key)
-    gamma = jax.vmap(one_gamma)(jax.random.split(k1, a.shape[0]), a, rate, low, high)
-    return gamma, jax.vmap(one_tgm)(jax.random.split(k2, alpha.shape[0]), alpha, beta, lam, tau, upper)
+    gamma = jax.vmap(one(truncated_gamma_from_uniforms))(jax.random.split(k1, a.shape[0]), a, rate, low, high)
+    return gamma, jax.vmap(one(tgm_from_uniforms))(jax.random.split(k2, alpha.shape[0]), alpha, beta, lam, tau, upper)
+
+
+def no_fallback_batch(seed, gamma_cases, tgm_cases):
+    assert len(gamma_cases) == 8 and len(tgm_cases) == 5  # one compile
+    params = [jnp.array(v, jnp.float64) for v in (*zip(*gamma_cases), *zip(*tgm_cases))]
+    x, y = _no_fallback_batch(jax.random.key(seed), *params)
+    return np.asarray(x), np.asarray(y)
 
 
 def test_rejection_without_fallback_gof(x64):
     cases = REJECTION_GAMMA_CASES[:8]
     tgm_cases = [(21.0, 1e4, 10.75, 0.22, math.inf), (21.0, 100.0, 10.75, 0.22, 0.25),
-                 (0.5, 100.0, 10.75, 0.02, 0.25), (21.0, 2e8, 10.75, 0.22, 0.25)]
-    params = [jnp.array(v, jnp.float64) for v in zip(*cases)]
-    tgm_params = [jnp.array(v, jnp.float64) for v in zip(*tgm_cases)]
-    x, (y, u) = _no_fallback_batch(jax.random.key(31), *params, *tgm_params)
-    for (a, rate, low, high), xi in zip(cases, np.asarray(x)):
+                 (0.5, 100.0, 10.75, 0.02, 0.25), (21.0, 2e8, 10.75, 0.22, 0.25), (1.0, 12.0, 10.75, 0.02, 0.25)]
+    x, y = no_fallback_batch(31, cases, tgm_cases)
+    for (a, rate, low, high), xi in zip(cases, x):
         assert np.all((xi >= low) & (xi <= high)), (a, rate, low, high)
         assert pit_gof(_gamma_pit(xi, a, rate, low, high)) > GOF_THRESHOLD, (a, rate, low, high)
-    for p, yi, ui in zip(tgm_cases, np.asarray(y), np.asarray(u)):
+    u = tgm_cdf([jnp.array(v, jnp.float64) for v in zip(*tgm_cases)], y)[0]
+    for p, yi, ui in zip(tgm_cases, y, u):
         assert np.all((yi > 0) & (yi <= p[-1])), p
         assert pit_gof(ui) > GOF_THRESHOLD, p
 
 
 def test_rejection_without_fallback_nan_parameters(x64):
-    from d3pext.distributions.truncated_gamma import truncated_gamma_from_uniforms
-
-    u = jnp.full((2, 3), 0.5)
-    x = truncated_gamma_from_uniforms(
-        u, jax.random.key(0), jnp.array([2.0, jnp.nan, 2.0]), 1.0, jnp.array([0.0, 0.0, jnp.nan]),
-        fallback=False,
-    )
-    x = np.asarray(x)
-    assert np.isfinite(x[0]) and np.isnan(x[1]) and np.isnan(x[2])
+    # a NaN parameter gives NaN (the other lanes their draws), in both samplers and both shape regimes; the
+    # compiled program of the test above (eager, this test compiled the sampler again: 3-5 s)
+    nan = math.nan
+    gamma_cases = [(2.0, 1.0, 0.0, math.inf), (nan, 1.0, 0.0, math.inf), (2.0, 1.0, nan, math.inf),
+                   (0.5, nan, 0.3, 2.0), *REJECTION_GAMMA_CASES[4:8]]
+    tgm_cases = [(21.0, 100.0, 10.75, 0.22, 0.25), (nan, 100.0, 10.75, 0.22, 0.25), (0.5, 100.0, 10.75, nan, 0.25),
+                 (21.0, 100.0, 10.75, 0.22, nan), (0.5, 100.0, 10.75, 0.02, 0.25)]
+    x, y = no_fallback_batch(0, gamma_cases, tgm_cases)
+    for draws, cases in ((x, gamma_cases), (y, tgm_cases)):
+        for xi, p in zip(draws, cases):
+            assert np.all(np.isnan(xi)) if np.isnan(p).any() else np.all(np.isfinite(xi)), p
