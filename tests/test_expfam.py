@@ -220,10 +220,10 @@ def test_truncated_normal_is_exact_beyond_ten_standard_deviations(low, high):
     """From 10 sd on the inversion took the restricted normal as an exponential (2% off in the draws'
     scale); it is the exact quantile to float32 rounding now down to 12.5 sd (sorted draws on a grid of
     uniforms against scipy's quantiles)."""
-    from d3pext.inference.draws import _inverse_truncated_normal
+    from d3pext.inference.draws import inverse_truncated_normal
 
     u = np.arange(1, 1000) / 1000
-    x = np.sort(np.asarray(_inverse_truncated_normal(jnp.asarray(u, jnp.float32), 0.0, 1.0, low, high), np.float64))
+    x = np.sort(np.asarray(inverse_truncated_normal(jnp.asarray(u, jnp.float32), 0.0, 1.0, low, high), np.float64))
     np.testing.assert_allclose(x, np.sort(stats.truncnorm.ppf(u, low, high)), rtol=2e-6)
 
 
@@ -231,10 +231,10 @@ def test_truncated_normal_beyond_the_floats_is_the_exponential_within_its_bound(
     """Beyond 12.5 sd in float32 the law is the exponential below b, which leaves out the density's factor
     exp(-t^2/2) at a distance t below b: at 15 sd its quantiles are within 1% of a standard deviation of
     scipy's, and the median excess within 2/b^2."""
-    from d3pext.inference.draws import _inverse_truncated_normal
+    from d3pext.inference.draws import inverse_truncated_normal
 
     u = np.arange(1, 1000) / 1000
-    x = np.asarray(_inverse_truncated_normal(jnp.asarray(u, jnp.float32), 0.0, 1.0, -20.0, -15.0), np.float64)
+    x = np.asarray(inverse_truncated_normal(jnp.asarray(u, jnp.float32), 0.0, 1.0, -20.0, -15.0), np.float64)
     reference = stats.truncnorm.ppf(u, -20.0, -15.0)
     excess, reference_excess = np.sort(-15.0 - x), np.sort(-15.0 - reference)  # distance below b
     assert np.max(np.abs(excess - reference_excess)) < 0.01

@@ -39,6 +39,7 @@ __all__ = [
     "truncated_normal",
     "truncated_normal_from_uniforms",
     "index_from_uniforms",
+    "inverse_truncated_normal",
     "uniform_pairs",
 ]
 
@@ -63,7 +64,7 @@ def _lower_tail_quantile(log_p: jax.Array, a: jax.Array, b: jax.Array, u: jax.Ar
     return jnp.where(deep, tail, direct)
 
 
-def _inverse_truncated_normal(u, loc, scale, low, high):
+def inverse_truncated_normal(u, loc, scale, low, high):
     """``Normal(loc, scale)`` restricted to ``[low, high]`` by inversion of ``u`` in log space."""
     safe_scale = jnp.where(scale > 0, scale, 1.0)
     alpha, beta = (low - loc) / safe_scale, (high - loc) / safe_scale
@@ -207,7 +208,7 @@ def _truncated_normal_from_uniforms(w, loc, scale, low, high, *, loop: bool):
 
     def invert(carry):
         x, done = carry
-        x_inv = _inverse_truncated_normal((1 + w[1]) / 2, loc, scale, low, high)
+        x_inv = inverse_truncated_normal((1 + w[1]) / 2, loc, scale, low, high)
         return jnp.where(done, x, x_inv), jnp.ones_like(done)
 
     if not loop:

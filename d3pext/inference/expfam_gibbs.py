@@ -88,7 +88,7 @@ from d3pext.distributions.expfam import (
 from d3pext.dtypes import float_dtype
 from d3pext.inference.draws import (
     SweepDraws,
-    _inverse_truncated_normal,
+    inverse_truncated_normal,
     index_from_uniforms,
     mixing_variance_from_uniforms,
     normal_from_uniforms,
@@ -439,7 +439,7 @@ def _exact_truncated_exponential_update(draws, eta, records, y, noise_var, bound
         m = r - rate * noise_var
         log_odds = constant + _tilted_log_mass(m, sigma, a, b)
         take_inside = u[0, 0, i] < jax.nn.sigmoid(log_odds)
-        x_in = _inverse_truncated_normal(u[1, 0, i], m, sigma, a, b)
+        x_in = inverse_truncated_normal(u[1, 0, i], m, sigma, a, b)
         x_new = jnp.where(take_inside, x_in, x_outside[i]).astype(dtype)
         return records.at[i].set(x_new), others + jnp.where(inside(x_new), x_new, 0.0)
 
