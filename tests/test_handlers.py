@@ -394,8 +394,11 @@ def _exact_truncated_exponential(y, n, bounds, scale, prior_pdf, grid):
     return post / np.trapezoid(post, grid)
 
 
+@pytest.mark.slow  # default-run twin: test_truncated_exponential_large_n_every_chain_finds_the_mode
 def test_truncated_exponential_fast():
-    """Smaller twin of the slow test below: joint sections only, fewer draws (same MC tolerance)."""
+    """Smaller twin of the slow test below: joint sections only, fewer draws (same MC tolerance). Slow:
+    test_truncated_exponential_large_n_every_chain_finds_the_mode makes the same checks against the exact
+    posterior at n = 10000 (the same CLT update of the truncated statistic), with a sampler compiled anyway."""
     n, eps, bounds = 1000, 0.1, (0.0253, 3.689)
     y = 777.5
     grid = np.linspace(0.5, 2.0, 301)
@@ -410,7 +413,8 @@ def test_truncated_exponential_fast():
 def test_truncated_exponential_large_n_every_chain_finds_the_mode():
     """The truncated sum is not monotone in the rate: at n = 10000, a rate near 0.2 explains the
     release as well as the true one near 1 (negligible prior mass, but Gibbs never leaves it).
-    Chains start from the parameters' conditional given the release, so none starts there."""
+    Chains start from the parameters' conditional given the release, so none starts there. Also the
+    default-run twin of test_truncated_exponential_fast: posterior mean and sd against the exact ones."""
     n, eps, bounds = 10000, 0.1, (0.0253, 3.689)
     y = 8626.3
     grid = np.linspace(0.8, 1.3, 501)
@@ -422,6 +426,10 @@ def test_truncated_exponential_large_n_every_chain_finds_the_mode():
     chain_means = np.asarray(out["lam"][0]).mean(1)
     # each chain mean within 2 posterior sds (its MC error is below 0.3 sd); the wrong mode is 40 sds away
     assert np.all(np.abs(chain_means - mean) < 2 * sd), (chain_means, mean, sd)
+    # as test_truncated_exponential_fast: MC error plus 4% of the sd for the random-sum CLT
+    m, s, se_m, se_s, m_ex, s_ex = _summaries(out["lam"][0], grid, post)
+    assert abs(m - m_ex) < 4 * se_m + 0.04 * s_ex, (m, m_ex)
+    assert abs(s - s_ex) < 4 * se_s + 0.04 * s_ex, (s, s_ex)
 
 
 @pytest.mark.slow

@@ -42,9 +42,10 @@ def auc(y, score) -> float:
     return float((ranks[y].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
 
-# (model, guide, positional data, keyword arguments) for each model, at a small size. Logistic and
-# hierarchical logistic regression are run in their statistical tests below.
+# (model, guide, positional data, keyword arguments) for each model, at a small size. Hierarchical
+# logistic regression is run in its statistical test below, logistic regression in its slow one too.
 CASES = {
+    "logistic": lambda: (logistic_regression, logistic_guide, simulate_logistic(random.key(0), 300, 3)[:2], {}),
     "mixture": lambda: (
         gaussian_mixture,
         gaussian_mixture_guide,
@@ -140,8 +141,13 @@ def test_logistic_prior_is_the_papers_s0():
     assert float(log_prob) == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_logistic_runs_and_recovers_weights_at_large_epsilon():
     """SVI runs; DP-VI with little noise recovers the true weights within the posterior's spread.
+
+    Slow (2000 private steps: 10-12 s). Its fast twin, test_runs_under_svi_and_dpsvi[logistic], runs
+    the same model and guide under SVI and DPSVI (test_svi.py's test_large_epsilon_reaches_nonprivate_posterior
+    checks a DPSVI fit of a logistic regression against the non-private one).
 
     Data come from the model, so (w_true - posterior mean) / posterior sd is about N(0, 1) per coordinate
     (Bernstein-von Mises). The posterior sd is the Laplace approximation at the true weights. A bound of
