@@ -26,6 +26,8 @@ from d3pext.models.expfam import (
     private_exponential_gamma,
 )
 
+from truncated_exponential import fourier_posterior
+
 
 def _release_info(model, *args):
     # the parameters at their prior means: eager prior draws compile a sampler per family
@@ -376,22 +378,6 @@ def test_mcmc_front_door_naive_and_non_conjugate_prior():
     assert naive.get_samples()["theta"].std() < 0.5 * s_ex
 
 
-def _exact_truncated_exponential(y, n, bounds, scale, prior_pdf, grid):
-    """p(lam | y) by Fourier inversion of p(y | lam) = E[Laplace(y; s_c, scale)].
-
-    s_c sums n iid copies of w = 1_[a,b](x) x, whose characteristic function is
-    (1 - q) + lam / (lam - i w) (e^{(iw - lam) a} - e^{(iw - lam) b}); the Laplace noise has
-    characteristic function 1 / (1 + scale^2 w^2).
-    """
-    a, b = bounds
-    w = np.linspace(0.0, 0.25, 25001)[:, None]
-    lam = grid[None]
-    ea, eb = np.exp(-lam * a), np.exp(-lam * b)  # the exponentials factor into w and lam parts
-    cf = (1 - (ea - eb)) + lam / (lam - 1j * w) * (ea * np.exp(1j * w * a) - eb * np.exp(1j * w * b))
-    # Re(cf^n e^{-iwy}) = |cf|^n cos(n arg cf - w y): a fifth of the time of the complex power
-    integrand = np.exp(n * np.log(np.abs(cf))) * np.cos(n * np.angle(cf) - w * y) / (1 + (scale * w) ** 2)
-    post = prior_pdf(grid) * np.trapezoid(integrand, w[:, 0], axis=0)
-    return post / np.trapezoid(post, grid)
 
 
 @pytest.mark.slow  # default-run twin: test_truncated_exponential_large_n_every_chain_finds_the_mode
@@ -402,7 +388,7 @@ def test_truncated_exponential_fast():
     n, eps, bounds = 1000, 0.1, (0.0253, 3.689)
     y = 777.5
     grid = np.linspace(0.5, 2.0, 301)
-    post = _exact_truncated_exponential(y, n, bounds, bounds[1] / eps, stats.gamma(20, scale=1 / 20).pdf, grid)
+    post = fourier_posterior(y, n, bounds, bounds[1] / eps, stats.gamma(20, scale=1 / 20).pdf, grid)
     out = sample_releases(private_exponential_gamma(eps, bounds=bounds), {"x_dp": jnp.array([y])},
                           random.key(3), n, num_warmup=200, num_samples=1000, num_chains=8)
     m, s, se_m, se_s, m_ex, s_ex = _summaries(out["lam"][0], grid, post)
@@ -418,7 +404,7 @@ def test_truncated_exponential_large_n_every_chain_finds_the_mode():
     n, eps, bounds = 10000, 0.1, (0.0253, 3.689)
     y = 8626.3
     grid = np.linspace(0.8, 1.3, 501)
-    post = _exact_truncated_exponential(y, n, bounds, bounds[1] / eps, stats.gamma(20, scale=1 / 20).pdf, grid)
+    post = fourier_posterior(y, n, bounds, bounds[1] / eps, stats.gamma(20, scale=1 / 20).pdf, grid)
     mean = np.trapezoid(grid * post, grid)
     sd = np.sqrt(np.trapezoid((grid - mean) ** 2 * post, grid))
     out = sample_releases(private_exponential_gamma(eps, bounds=bounds), {"x_dp": jnp.array([y])},
@@ -438,7 +424,7 @@ def test_truncated_exponential_matches_exact_posterior_and_joint_sections_help()
     model = private_exponential_gamma(eps, bounds=bounds)
     y = 777.5
     grid = np.linspace(0.5, 2.0, 301)
-    post = _exact_truncated_exponential(y, n, bounds, bounds[1] / eps, stats.gamma(20, scale=1 / 20).pdf, grid)
+    post = fourier_posterior(y, n, bounds, bounds[1] / eps, stats.gamma(20, scale=1 / 20).pdf, grid)
     sds = {}
     for sections in ("joint", "independent"):
         out = sample_releases(model, {"x_dp": jnp.array([y])}, random.key(3), n, num_warmup=300,

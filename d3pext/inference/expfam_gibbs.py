@@ -14,7 +14,9 @@ their priors. One sweep, for each release:
    ``n floor(b) <=`` :data:`EXACT_TRUNCATED_MAX`
    (:func:`_exact_truncated_poisson_update`); exponential records truncated to ``[a, b]``, at most
    :data:`EXACT_RECORDS_MAX`, are latent records of the state, each drawn from its exact conditional
-   (:func:`_exact_truncated_exponential_update`), the statistics their sums. Otherwise, as in the paper,
+   (:func:`_exact_truncated_exponential_update`) after the rate and the records are rescaled together
+   (:func:`_rescale_rate_and_records`, a Metropolis-Hastings move across the posterior's modes), the
+   statistics their sums. Otherwise, as in the paper,
    the normal (CLT) approximation of
    ``p(s | theta)`` (moments by autodiff of the log-partition, :mod:`d3pext.distributions.expfam`) times the
    normal ``p(y | s, sigma^2)``, restricted to the statistics that are valid for the data model
@@ -72,6 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import special
 
+from numpyro.distributions import ExpandedDistribution, MaskedDistribution
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.gibbs import conditioned
 from numpyro.infer.initialization import init_to_uniform
@@ -90,6 +93,7 @@ from d3pext.inference.draws import (
     SweepDraws,
     inverse_truncated_normal,
     index_from_uniforms,
+    log_uniform_from_uniforms,
     mixing_variance_from_uniforms,
     normal_from_uniforms,
     posterior_from_draws,
@@ -376,12 +380,16 @@ def _exact_truncated_poisson(family: ExpFamily, n: int, y, bounds) -> bool:
     )
 
 
-EXACT_RECORDS_MAX = 64
+EXACT_RECORDS_MAX = 256
 """Exponential records released truncated to ``[a, b]``, at most this many: the records themselves are latent
 in the sampler's state, each drawn from its exact conditional in every sweep
-(:func:`_exact_truncated_exponential_update`), and the statistics are their sums; above, the statistics are
-drawn by the bivariate CLT (Algorithm 2). The CLT's draw put the posterior mean of 4 records at epsilon 1
-about 0.5 posterior sd below the exact one, with sds 23-31% too small (a ``Gamma(2, 2)`` prior)."""
+(:func:`_exact_truncated_exponential_update`), after two joint rescalings of the rate and the records
+(:func:`_rescale_rate_and_records`), and the statistics are their sums; above, the statistics are drawn by
+the bivariate CLT (Algorithm 2). With a ``Gamma(2, 2)`` prior at epsilon 1 the CLT's draw put the posterior
+mean of 4 records about 0.5 posterior sd below the exact one (sds 23-31% too small), 0.17 sd at 64 records,
+and at 256 records its chains stayed in one of the posterior's two modes (sd 0.24-0.5x the exact one). A
+sweep costs about 13 microseconds per record for 32 chains on a CPU core (at 256 records 72,000 sweeps took
+15 s against the CLT's 0.5 s)."""
 
 
 def _exact_truncated_exponential(family: ExpFamily, n: int, y) -> bool:
@@ -453,6 +461,37 @@ def _exact_truncated_exponential_update(draws, eta, records, y, noise_var, bound
     records, _ = lax.fori_loop(0, n, step, (records, s_c))
     s_c = jnp.sum(jnp.where(inside(records), records, 0.0))
     return records, s_c, jnp.sum(records)
+
+
+def _rescale_rate_and_records(draws, prior, rate, records, y, noise_var, bounds):
+    """Two Metropolis-Hastings moves of the rate and all exponential records together: ``rate e^-u``,
+    ``records e^u``, ``u ~ N(0, tau^2)``. The records' density ``prod rate e^(-rate x_i) dx_i`` is unchanged
+    in log coordinates (each ``rate x_i`` is), so a move is accepted with the prior's ratio (times the
+    rate's: the log coordinate's Jacobian) and the release's, ``N(y; s_c, sigma^2)`` of the rescaled
+    records' truncated sum. Record-by-record Gibbs crosses this ridge slowly: the rate given all records
+    is far tighter than given the release, and the truncated sum is not monotone in the rate (two rates
+    can explain one release). The first move's ``tau`` scales with ``u``'s spread under the release and
+    the prior, ``(1 + y^2 / sigma^2 + concentration)^-1/2`` (what the move holds fixed), the second's is 1,
+    a jump between modes. Returns ``(rate, records)``."""
+    a, b = max(bounds[0], 0.0), bounds[1]
+    base = prior
+    while isinstance(base, (MaskedDistribution, ExpandedDistribution)):
+        base = base.base_dist
+    concentration = getattr(base, "concentration", 0.0)
+
+    def log_target(rate, records):
+        s_c = jnp.sum(jnp.where((records >= a) & (records <= b), records, 0.0))
+        return jnp.sum(prior.log_prob(rate) + jnp.log(rate)) - (y - s_c) ** 2 / (2 * noise_var)
+
+    # multipliers measured at 16 and 64 records (ESS per sweep, against 2.4 or 9.6 and 0.5 or 2)
+    for tau in (4.8 * lax.rsqrt(1.0 + y**2 / noise_var + concentration), 1.0):
+        w = draws.pairs(())
+        u = tau * normal_from_uniforms(w[0])
+        new_rate = (rate * jnp.exp(-u)).astype(jnp.result_type(rate))
+        new_records = records * jnp.exp(u).astype(records.dtype)
+        accept = log_uniform_from_uniforms(w[1]) < log_target(new_rate, new_records) - log_target(rate, records)
+        rate, records = jnp.where(accept, new_rate, rate), jnp.where(accept, new_records, records)
+    return rate, records
 
 
 def _truncated_update(draws, family, eta, n, y, noise_var, bounds, sections):
@@ -531,6 +570,13 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
             raise ValueError("ExpFamGibbs needs at least one StatisticBlock.")
         self._model = model
         self._blocks = tuple(blocks)
+        # the rate site of truncated exponential records (latent in the state when few): moved together
+        # with them by _rescale_rate_and_records before their sweep (a site is owned by one block)
+        self._rescaled = {
+            blk.stat: blk.params[0][0]
+            for blk in self._blocks
+            if blk.bounds is not None and len(blk.params) == 1 and blk.params[0][1] == "rate"
+        }
 
     @property
     def blocks(self) -> tuple[StatisticBlock, ...]:
@@ -645,6 +691,11 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
                     z[blk.noise_var] if blk.noise == "laplace" else jnp.full_like(y, blk.noise_scale**2)
                 )
                 if blk.stat in records:
+                    if (site := self._rescaled.get(blk.stat)) is not None:
+                        z[site], records[blk.stat] = _rescale_rate_and_records(
+                            draws, tr[site]["fn"], z[site], records[blk.stat], y, noise_var, blk.bounds
+                        )
+                        eta = -z[site]
                     records[blk.stat], s_rel, s_full = _exact_truncated_exponential_update(
                         draws, eta, records[blk.stat], y, noise_var, blk.bounds
                     )
