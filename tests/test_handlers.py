@@ -378,8 +378,6 @@ def test_mcmc_front_door_naive_and_non_conjugate_prior():
     assert naive.get_samples()["theta"].std() < 0.5 * s_ex
 
 
-
-
 @pytest.mark.slow  # default-run twin: test_truncated_exponential_large_n_every_chain_finds_the_mode
 def test_truncated_exponential_fast():
     """Smaller twin of the slow test below: joint sections only, fewer draws (same MC tolerance). Slow:

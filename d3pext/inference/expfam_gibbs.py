@@ -74,7 +74,6 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import special
 
-from numpyro.distributions import ExpandedDistribution, MaskedDistribution
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.gibbs import conditioned
 from numpyro.infer.initialization import init_to_uniform
@@ -474,10 +473,7 @@ def _rescale_rate_and_records(draws, prior, rate, records, y, noise_var, bounds)
     the prior, ``(1 + y^2 / sigma^2 + concentration)^-1/2`` (what the move holds fixed), the second's is 1,
     a jump between modes. Returns ``(rate, records)``."""
     a, b = max(bounds[0], 0.0), bounds[1]
-    base = prior
-    while isinstance(base, (MaskedDistribution, ExpandedDistribution)):
-        base = base.base_dist
-    concentration = getattr(base, "concentration", 0.0)
+    concentration = prior.mean**2 / prior.variance  # the gamma prior's, through plate expansions and masks
 
     def log_target(rate, records):
         s_c = jnp.sum(jnp.where((records >= a) & (records <= b), records, 0.0))
