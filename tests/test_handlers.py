@@ -26,7 +26,7 @@ from d3pext.models.expfam import (
     private_exponential_gamma,
 )
 
-from truncated_exponential import fourier_posterior
+from truncated_references import fourier_posterior, poisson_posterior
 
 
 def _release_info(model, *args):
@@ -293,19 +293,6 @@ def test_gibbs_is_exact_for_a_few_categorical_records(total_count):
         assert np.all(np.asarray(out["x_dp_stat"][i]).sum(-1) == total)
 
 
-def _exact_truncated_poisson(y, n, bound, scale, prior, grid):
-    """p(rate | y) for the release of sum x_i 1[x_i <= bound] of n Poisson records plus Laplace noise."""
-    j = np.arange(bound + 1)
-    per_record = stats.poisson.pmf(j[None], grid[:, None])
-    per_record[:, 0] += stats.poisson.sf(bound, grid)  # a record above the bound adds 0
-    pmf = np.ones((len(grid), 1))
-    for _ in range(n):
-        pmf = np.stack([np.convolve(a, b) for a, b in zip(pmf, per_record)])
-    lik = (pmf * stats.laplace.pdf(y, np.arange(pmf.shape[1])[None], scale)).sum(1)
-    post = prior.pdf(grid) * lik
-    return post / np.trapezoid(post, grid)
-
-
 # n = 30: 1500 draws per chain (a sweep costs 30 times that of n = 3); the CLT draw (EXACT_TRUNCATED_MAX = 0)
 # still fails the mean check by 2.1-3.4 times its tolerance (seeds 30-33), the exact draw passes at 0.1-0.3 of it
 @pytest.mark.parametrize("n, ys, chains, samples", [(3, [0.5, 6.0, 18.0], 16, 2000), (30, [180.0], 8, 1500)])
@@ -324,7 +311,7 @@ def test_gibbs_is_exact_for_truncated_poisson_records(n, ys, chains, samples):
                           num_warmup=300, num_samples=samples, num_chains=chains)
     grid = np.linspace(1e-4, 20, 8001)
     for i, y in enumerate(ys):
-        post = _exact_truncated_poisson(y, n, 10, 10.0, stats.gamma(2.0), grid)  # sensitivity 10 at epsilon 1
+        post = poisson_posterior(y, n, 10, 10.0, stats.gamma(2.0).pdf, grid)  # sensitivity 10 at epsilon 1
         m, s, se_m, se_s, m_ex, s_ex = _summaries(out["rate"][i], grid, post)
         # a far mode beyond the bound that no chain visits holds up to 1e-3 of the mass: 5% of the sd
         assert abs(m - m_ex) < 4 * se_m + 0.02 * s_ex, (y, m, m_ex, se_m)

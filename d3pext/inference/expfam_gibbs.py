@@ -60,7 +60,7 @@ so under ``vmap`` the loop body runs only in the sweeps where some chain needs i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 import functools
 import itertools
@@ -162,6 +162,8 @@ class ExpFamGibbsState(NamedTuple):
       after ``max_rejections`` invalid draws.
     - **records** - per release whose records are latent (truncated exponential records, at most
       :data:`EXACT_RECORDS_MAX`), by its statistic site: the records.
+    - **anchors** - per truncated release drawn by the CLT whose rate the kernel owns, by its statistic
+      site: where the rate's posterior modes can lie (:func:`_release_anchors`).
     """
 
     z: dict[str, jax.Array]
@@ -169,6 +171,7 @@ class ExpFamGibbsState(NamedTuple):
     num_rejections: jax.Array
     stalls: jax.Array
     records: dict[str, jax.Array] = {}
+    anchors: dict[str, jax.Array] = {}
 
 
 def _stat_range(family: ExpFamily, n: int) -> tuple[float, float]:
@@ -407,14 +410,18 @@ def _tilted_log_mass(m, sigma, a: float, b: float):
     [log P(alpha <= Z <= beta) + c^2 / 2]``, ``e`` the point of ``[a, b]`` nearest ``m`` and ``c = (e - m) /
     sigma``: the bracket stays moderate where ``m`` is many sds outside ``[a, b]``, where the two terms of the
     plain form are large and of opposite signs."""
+    e = jnp.clip(m, a, b)
+    c = (e - m) / sigma
+    return e * (2 * m - e) / (2 * sigma**2) + (_log_normal_interval(m, sigma, a, b) + 0.5 * c**2)
+
+
+def _log_normal_interval(m, sigma, a, b):
+    """``log P(a <= N(m, sigma^2) <= b)``, accurate far in either tail."""
     alpha, beta = (a - m) / sigma, (b - m) / sigma
     flip = alpha > -beta  # the interval's tail side: Phi's log is accurate there
     lo, hi = jnp.where(flip, -beta, alpha), jnp.where(flip, -alpha, beta)
     log_hi = log_ndtr(hi)
-    log_mass = log_hi + jnp.log1p(-jnp.exp(jnp.minimum(log_ndtr(lo) - log_hi, 0.0)))
-    e = jnp.clip(m, a, b)
-    c = (e - m) / sigma
-    return e * (2 * m - e) / (2 * sigma**2) + (log_mass + 0.5 * c**2)
+    return log_hi + jnp.log1p(-jnp.exp(jnp.minimum(log_ndtr(lo) - log_hi, 0.0)))
 
 
 def _exact_truncated_exponential_update(draws, eta, records, y, noise_var, bounds):
@@ -490,13 +497,113 @@ def _rescale_rate_and_records(draws, prior, rate, records, y, noise_var, bounds)
     return rate, records
 
 
-def _truncated_update(draws, family, eta, n, y, noise_var, bounds, sections):
-    """Joint draw of the centre statistic ``s_c`` (released) and the full statistic ``s``."""
+def _released_moments(family, eta, n, bounds):
+    """The CLT of the released statistic ``s_c = sum_i 1_[a,b](x_i) t(x_i)``: ``(q, mu_c, sigma_c, m_c, v_c)``,
+    the truncated family's mass, mean and variance and the sum's mean and variance."""
+    q, mu_c, sigma_c = truncated_moments(family, eta, *bounds)
+    return q, mu_c, sigma_c, n * q * mu_c, n * q * sigma_c + n * q * (1 - q) * mu_c**2
+
+
+def _released_range(family, n, bounds) -> tuple[float, float]:
+    """The values the released statistic of ``n`` records can take."""
+    lo, hi = family.stat_range
+    return n * min(0.0, max(bounds[0], lo)), n * max(0.0, min(bounds[1], hi))
+
+
+def _move_rate_given_release(draws, prior, rate, eta_of, family, n, y, noise_var, bounds, anchors):
+    """Two Metropolis-Hastings moves of the rate with the statistics integrated out under the CLT (the draw of
+    :func:`_truncated_update` follows): the target is ``p(rate) N(y; m_c, v_c + sigma^2) P(range | y) / P(range)``
+    (``m_c, v_c`` the released statistic's CLT moments, restricted to its range). A truncated statistic is not
+    monotone in the rate, so two rates can explain one release, and the Gibbs steps between the statistics and
+    the rate cross the valley between them slowly or never. Both moves use the release's ``anchors``
+    (:func:`_release_anchors`, computed once):
+
+    1. a random walk ``rate e^-u``, ``u ~ N(0, tau^2)``;
+    2. an independence proposal of the log rate from an equal mixture of normals at the rates whose ``m_c`` is
+       the release (on the rising and on the falling branch), 1.5 times the posterior sd there wide: a jump to
+       the other mode however far it lies.
+
+    Returns the rate, its natural parameter and its :func:`_released_moments`."""
+    lo, hi = _released_range(family, n, bounds)
+
+    def log_target(log_rate):
+        rate = jnp.exp(log_rate)
+        eta = eta_of(rate)
+        moments = _released_moments(family, eta, n, bounds)
+        m_c, v_c = moments[3:]
+        total = v_c + noise_var
+        m, v = _norm_product(m_c, v_c, y, noise_var)
+        log_target = (
+            jnp.sum(prior.log_prob(rate)) + log_rate - 0.5 * jnp.log(total) - (y - m_c) ** 2 / (2 * total)
+            + _log_normal_interval(m, jnp.sqrt(v), lo, hi) - _log_normal_interval(m_c, jnp.sqrt(v_c), lo, hi)
+        )
+        return log_target, (eta, *moments)
+
+    centres, sds, tau = anchors[:2], 1.5 * anchors[2:4], anchors[4]
+    log_rate = jnp.log(rate)
+    w_walk, w_jump = draws.pairs(()), draws.pairs(())
+    step = tau * normal_from_uniforms(w_walk[0])
+    pick = (w_jump[0] > 0).astype(jnp.int32)
+    jump = centres[pick] + sds[pick] * normal_from_uniforms(2 * jnp.abs(w_jump[0]) - 1)
+    # the three points do not depend on the moves' outcomes: one vectorised evaluation
+    points = jnp.stack([log_rate, log_rate - step, jump])
+    targets, moments = jax.vmap(log_target)(points)
+
+    walked = log_uniform_from_uniforms(w_walk[1]) < targets[1] - targets[0]
+    chosen = walked.astype(jnp.int32)
+
+    def log_q(x):
+        return jax.nn.logsumexp(-0.5 * ((x - centres) / sds) ** 2 - jnp.log(sds))
+
+    log_ratio = targets[2] - targets[chosen] + log_q(points[chosen]) - log_q(jump)
+    chosen = jnp.where(log_uniform_from_uniforms(w_jump[1]) < log_ratio, 2, chosen)
+    rate = jnp.exp(points[chosen]).astype(jnp.result_type(rate))
+    return rate, tuple(v[chosen] for v in moments)
+
+
+def _release_anchors(family, eta_of, n: int, y, noise_var, bounds, concentration, num: int = 256) -> jax.Array:
+    """Where the rate's posterior given a truncated release can have its modes, for
+    :func:`_move_rate_given_release`: ``(c_1, c_2, s_1, s_2, tau)``, the log rates of the first up- and the last
+    down-crossing of ``m_c = y`` on a grid of ``num`` log rates (linear interpolation; at the top of ``m_c`` where
+    the release is above it, one crossing twice), the posterior sds of the log rate there,
+    ``(concentration + I)^-1/2`` with ``I = (d m_c / d log rate)^2 / (v_c + sigma^2)``, at most 1, and the random
+    walk's scale, 2.4 times the smaller sd. The grid spans record means (``rate`` for Poisson records,
+    ``1 / rate`` for exponential ones) from ``|y| / (10 n max(b, 1)^2)`` to ``10 max(b, 1)^2 n / |y|`` either
+    way round."""
+    b = max(bounds[1], 1.0)
+    small = jnp.log(jnp.maximum(jnp.abs(y), 1.0) / (10.0 * n * b**2))
+    low, high = jnp.minimum(small, -math.log(10.0 * b)), jnp.maximum(math.log(10.0 * b), -small)
+    grid = low + (high - low) * jnp.linspace(0.0, 1.0, num, dtype=jnp.result_type(y))
+    _, _, _, m_c, v_c = jax.vmap(lambda x: _released_moments(family, eta_of(jnp.exp(x)), n, bounds))(grid)
+    gap = jnp.nan_to_num(m_c - y, nan=-jnp.inf)
+    up, down = (gap[:-1] <= 0) & (gap[1:] > 0), (gap[:-1] > 0) & (gap[1:] <= 0)
+    first_up = jnp.where(jnp.any(up), jnp.argmax(up), -1)
+    last_down = jnp.where(jnp.any(down), num - 2 - jnp.argmax(down[::-1]), -1)
+    cells = jnp.stack([jnp.where(first_up < 0, last_down, first_up), jnp.where(last_down < 0, first_up, last_down)])
+    found = cells >= 0
+    k = jnp.where(found, cells, jnp.minimum(jnp.argmax(gap), num - 2))
+    h = grid[1] - grid[0]
+    g0, g1 = gap[k], gap[k + 1]
+    frac = jnp.where(found, jnp.clip(jnp.nan_to_num(g0 / (g0 - g1), nan=0.5), 0.0, 1.0), 0.0)  # g0 may be -inf
+    centres = grid[k] + h * frac
+    slope = jnp.where(found, (g1 - g0) / h, 0.0)
+    total = v_c[k] + frac * (v_c[k + 1] - v_c[k]) + noise_var
+    sds = jnp.nan_to_num(jnp.minimum(lax.rsqrt(concentration + slope**2 / total), 1.0), nan=1.0)
+    return jnp.concatenate([centres, sds, 2.4 * jnp.min(sds, keepdims=True)])
+
+
+def _natural_params_of(record) -> Callable[[jax.Array], jax.Array]:
+    """``rate -> eta`` for records of ``record``'s family whose one parameter is ``rate``."""
+    family = family_of(record)
+    return lambda rate: family.natural_params(type(record)(rate))
+
+
+def _truncated_update(draws, family, eta, n, y, noise_var, bounds, sections, released=None):
+    """Joint draw of the centre statistic ``s_c`` (released) and the full statistic ``s`` (``released``: the
+    :func:`_released_moments` at ``eta`` when known)."""
     a, b = bounds
     mu, sigma = clt_moments(family, eta)
-    q, mu_c, sigma_c = truncated_moments(family, eta, a, b)
-    m_c = n * q * mu_c
-    v_c = n * q * sigma_c + n * q * (1 - q) * mu_c**2
+    q, mu_c, sigma_c, m_c, v_c = _released_moments(family, eta, n, bounds) if released is None else released
     if sections == "joint":
         # CLT of the per-record vector (t, 1_c t): Cov = E[t^2 1_c] - E[t] E[1_c t]
         v_s = n * sigma
@@ -505,9 +612,8 @@ def _truncated_update(draws, family, eta, n, y, noise_var, bounds, sections):
         v_s = v_c + sum(random_sum_moments(family, eta, n, *sec)[1] for sec in _outer_sections(family, a, b))
         cov = v_c
     lo, hi = family.stat_range
-    t_lo, t_hi = max(a, lo), min(b, hi)
     m, v = _norm_product(m_c, v_c, y, noise_var)
-    s_c = truncated_normal_from_uniforms(draws.pairs(()), m, jnp.sqrt(v), n * min(0.0, t_lo), n * max(0.0, t_hi))
+    s_c = truncated_normal_from_uniforms(draws.pairs(()), m, jnp.sqrt(v), *_released_range(family, n, bounds))
     cond_mean = n * mu + cov / v_c * (s_c - m_c)
     cond_var = jnp.clip(v_s - cov**2 / v_c, 0.0)
     # the records outside [a, b] contribute a statistic in [n min(0, lo), n max(0, hi)]
@@ -566,9 +672,10 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
             raise ValueError("ExpFamGibbs needs at least one StatisticBlock.")
         self._model = model
         self._blocks = tuple(blocks)
-        # the rate site of truncated exponential records (latent in the state when few): moved together
-        # with them by _rescale_rate_and_records before their sweep (a site is owned by one block)
-        self._rescaled = {
+        # the rate site of truncated Poisson or exponential records, moved before the statistics' draw (a site is
+        # owned by one block): with the latent records (_rescale_rate_and_records) or, where the statistics are
+        # drawn by the CLT, with them integrated out (_move_rate_given_release)
+        self._rate_sites = {
             blk.stat: blk.params[0][0]
             for blk in self._blocks
             if blk.bounds is not None and len(blk.params) == 1 and blk.params[0][1] == "rate"
@@ -605,7 +712,7 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
                     "use it as a block of numpyro.infer.Gibbs with NUTS for them."
                 )
         z = {name: jnp.asarray(tr[name]["value"]) for name in self.sites}
-        records = {}
+        records, anchors = {}, {}
         draws = SweepDraws.per_call(key_params, float_dtype())
         for blk in self._blocks:
             y = jnp.asarray(tr[blk.release]["value"], draws.dtype) / blk.release_scale
@@ -620,6 +727,13 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
                     records[blk.stat] = _start_records(blk.num_records, stat, blk.bounds).astype(draws.dtype)
                 if blk.noise_var is not None:
                     z[blk.noise_var] = jnp.full(jnp.shape(y), 2 * blk.noise_scale**2)
+                if (site := self._clt_rate_site(blk, family_of(record), y)) is not None:
+                    prior = tr[site]["fn"]
+                    anchors[blk.stat] = _release_anchors(
+                        family_of(record), _natural_params_of(record), blk.num_records, y,
+                        (2 if blk.noise == "laplace" else 1) * blk.noise_scale**2, blk.bounds,
+                        prior.mean**2 / prior.variance,
+                    )
             # the parameters start from their conditional given the statistic at the release: a
             # start drawn over the prior's support can fall into a mode of negligible mass that
             # Gibbs does not leave (a truncated statistic is not monotone in the parameter)
@@ -629,7 +743,7 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
         if init_params:
             z.update({k: jnp.asarray(v) for k, v in init_params.items() if k in z})
         return ExpFamGibbsState(
-            z, rng_key, jnp.zeros((), jnp.int32), jnp.zeros((len(self._blocks),), jnp.int32), records
+            z, rng_key, jnp.zeros((), jnp.int32), jnp.zeros((len(self._blocks),), jnp.int32), records, anchors
         )
 
     def sample(self, state, model_args, model_kwargs):
@@ -638,11 +752,13 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
         # one call of the bit generator per sweep: an abstract pass counts its variates first
         counter = SweepDraws.count(float_dtype())
         jax.eval_shape(
-            lambda z, records: self._sweep(z, records, counter, model_args, model_kwargs),
+            lambda z, records: self._sweep(z, records, state.anchors, counter, model_args, model_kwargs),
             *jax.tree.map(lambda v: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)), (state.z, state.records)),
         )
         draws = SweepDraws.bulk(key_draw, key_retry, counter.num_pairs, counter.dtype)
-        z, records, rejections, kept = self._sweep(state.z, state.records, draws, model_args, model_kwargs)
+        z, records, rejections, kept = self._sweep(
+            state.z, state.records, state.anchors, draws, model_args, model_kwargs
+        )
         if draws.num_pairs != counter.num_pairs:
             raise RuntimeError("ExpFamGibbs: the sweep used more or fewer variates than counted.")
         stalls = state.stalls
@@ -653,7 +769,16 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
             # always False (it raises otherwise); fed into a draw so that JAX keeps the check
             stuck = self._raise_if_stuck(stalls)
             z[capped[0]] = jnp.where(stuck, state.z[capped[0]], z[capped[0]])
-        return ExpFamGibbsState(z, next_key, rejections, stalls, records)
+        return ExpFamGibbsState(z, next_key, rejections, stalls, records, state.anchors)
+
+    def _clt_rate_site(self, blk: StatisticBlock, family: ExpFamily, y) -> str | None:
+        """The rate site moved by :func:`_move_rate_given_release` before the CLT draw of a truncated release."""
+        if blk.naive or blk.bounds is None or blk.stat not in self._rate_sites:
+            return None
+        n = blk.num_records
+        if _exact_truncated_exponential(family, n, y) or _exact_truncated_poisson(family, n, y, blk.bounds):
+            return None
+        return self._rate_sites[blk.stat]
 
     def _raise_if_stuck(self, stalls: jax.Array) -> jax.Array:
         updates = [f"statistic update of release {b.release!r}" for b in self._blocks]
@@ -666,7 +791,7 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
         failed = "drew no statistic in its range in max_rejections draws"
         return raise_if_stuck(stalls, max_stalls, "ExpFamGibbs", updates, failed, advice)
 
-    def _sweep(self, z, records, draws: SweepDraws, model_args, model_kwargs):
+    def _sweep(self, z, records, anchors, draws: SweepDraws, model_args, model_kwargs):
         z, records = dict(z), dict(records)
         tr = trace(substitute(seed(conditioned(self._model), draws.key()), data=z)).get_trace(
             *model_args, **model_kwargs
@@ -687,7 +812,7 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
                     z[blk.noise_var] if blk.noise == "laplace" else jnp.full_like(y, blk.noise_scale**2)
                 )
                 if blk.stat in records:
-                    if (site := self._rescaled.get(blk.stat)) is not None:
+                    if (site := self._rate_sites.get(blk.stat)) is not None:
                         z[site], records[blk.stat] = _rescale_rate_and_records(
                             draws, tr[site]["fn"], z[site], records[blk.stat], y, noise_var, blk.bounds
                         )
@@ -700,8 +825,15 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
                     s_rel, s_full = _exact_truncated_poisson_update(draws, eta, n, y, noise_var, blk.bounds)
                     z[blk.full_stat] = s_full
                 elif blk.bounds is not None:
+                    released = None
+                    if blk.stat in anchors:
+                        site = self._rate_sites[blk.stat]
+                        z[site], (eta, *released) = _move_rate_given_release(
+                            draws, tr[site]["fn"], z[site], _natural_params_of(record), family, n, y, noise_var,
+                            blk.bounds, anchors[blk.stat],
+                        )
                     s_rel, s_full = _truncated_update(
-                        draws, family, eta, n, y, noise_var, blk.bounds, blk.sections
+                        draws, family, eta, n, y, noise_var, blk.bounds, blk.sections, released
                     )
                     z[blk.full_stat] = s_full
                 elif family.univariate:
