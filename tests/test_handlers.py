@@ -294,7 +294,8 @@ def test_gibbs_is_exact_for_a_few_categorical_records(total_count):
 
 
 # n = 30: 1500 draws per chain (a sweep costs 30 times that of n = 3); the CLT draw (EXACT_TRUNCATED_MAX = 0)
-# still fails the mean check by 2.1-3.4 times its tolerance (seeds 30-33), the exact draw passes at 0.1-0.3 of it
+# still fails the mean check by 2.1-3.4 times its tolerance (seeds 30-33; 1.9 at seed 30 with the rate's moves across
+# modes, a CLT error), the exact draw passes at 0.1-0.3 of it
 @pytest.mark.parametrize("n, ys, chains, samples", [(3, [0.5, 6.0, 18.0], 16, 2000), (30, [180.0], 8, 1500)])
 def test_gibbs_is_exact_for_truncated_poisson_records(n, ys, chains, samples):
     """Algorithm 2 draws the released and the full statistic of truncated records by a bivariate CLT; its

@@ -16,8 +16,7 @@ their priors. One sweep, for each release:
    :data:`EXACT_RECORDS_MAX`, are latent records of the state, each drawn from its exact conditional
    (:func:`_exact_truncated_exponential_update`) after the rate and the records are rescaled together
    (:func:`_rescale_rate_and_records`, a Metropolis-Hastings move across the posterior's modes), the
-   statistics their sums. Otherwise, as in the paper,
-   the normal (CLT) approximation of
+   statistics their sums. Otherwise, as in the paper, the normal (CLT) approximation of
    ``p(s | theta)`` (moments by autodiff of the log-partition, :mod:`d3pext.distributions.expfam`) times the
    normal ``p(y | s, sigma^2)``, restricted to the statistics that are valid for the data model
    (``0 <= s <= n`` for a binomial, ...). The restriction is the paper's rejection step: in one
@@ -37,7 +36,9 @@ their priors. One sweep, for each release:
    ``n = 2..5`` and 0.39 sd at ``n = 30`` (about one record above 10), hence the exact draw for them
    (now within 0.03 sd); exponential records truncated, 0.12-0.30 sd at ``n = 3..5`` with the paper's
    ``Gamma(20, 20)`` prior and 0.4-0.5 sd at ``n = 4..16`` with a ``Gamma(2, 2)`` one, 0.17 sd at ``n = 64``
-   (hence their latent records, now within the Monte-Carlo error);
+   (hence their latent records, now within the Monte-Carlo error). Where a truncated statistic is drawn by
+   the CLT and the sweep owns the rate, the rate first moves with the statistics integrated out
+   (:func:`_move_rate_given_release`): the CLT's Gibbs steps alone stayed in one of the posterior's modes;
 3. the precisions ``1 / sigma_j^2 ~ InverseGaussian(1 / (b |y_j - s_j|), 1 / b^2)`` (Laplace
    scale ``b``, :func:`laplace_mixing_variance`).
 
@@ -332,11 +333,10 @@ OUTSIDE_WIDTH = 256
 rate exceeds ``b`` by about 100)."""
 
 
-def _exact_truncated_poisson_update(draws, eta, n, y, noise_var, bounds):
-    """(s_c, s) | rate, sigma^2 for Poisson records and the release of s_c = sum x_i 1[a <= x_i <= b]:
-    the number k of records inside [a, b] and their sum s_c jointly from
-    C(n, k) q_out^(n - k) conv^k(p_in)(s_c) N(y; s_c, sigma^2) on its support, then the n - k outside
-    values from the Poisson restricted to the outside. All conditionals of the exact model."""
+def _truncated_poisson_log_weights(eta, n: int, y, noise_var, bounds) -> tuple[jax.Array, jax.Array]:
+    """``log [C(n, k) q_out^(n - k) conv^k(p_in)(s_c) N(y; s_c, sigma^2)]`` over ``k = 0..n`` records inside
+    ``[a, b]`` and their sum ``s_c = 0..n floor(b)`` (shape ``(n + 1, n floor(b) + 1)``, up to a constant free of
+    the rate), and the per-record log mass ``j eta - e^eta - log j!`` of the values inside."""
     a, b = bounds
     lo, hi = _lowest_count(a), math.floor(b)
     dtype = jnp.result_type(y)
@@ -357,7 +357,20 @@ def _exact_truncated_poisson_update(draws, eta, n, y, noise_var, bounds):
     k = jnp.arange(n + 1, dtype=dtype)
     log_binom = jnp.asarray(_log_binomial_coefficients(n), dtype)
     s = jnp.arange(L, dtype=dtype)
-    logw = log_binom[:, None] + (n - k)[:, None] * log_q_out + table - 0.5 * (y - s[None]) ** 2 / noise_var
+    return log_binom[:, None] + (n - k)[:, None] * log_q_out + table - 0.5 * (y - s[None]) ** 2 / noise_var, logp
+
+
+def _exact_truncated_poisson_update(draws, eta, n, y, noise_var, bounds, log_weights=None):
+    """(s_c, s) | rate, sigma^2 for Poisson records and the release of s_c = sum x_i 1[a <= x_i <= b]:
+    the number k of records inside [a, b] and their sum s_c jointly from
+    C(n, k) q_out^(n - k) conv^k(p_in)(s_c) N(y; s_c, sigma^2) on its support, then the n - k outside
+    values from the Poisson restricted to the outside. All conditionals of the exact model.
+    ``log_weights``: :func:`_truncated_poisson_log_weights` at ``eta`` when known."""
+    a, b = bounds
+    lo, hi = _lowest_count(a), math.floor(b)
+    dtype = jnp.result_type(y)
+    logw = (_truncated_poisson_log_weights(eta, n, y, noise_var, bounds) if log_weights is None else log_weights)[0]
+    L = n * hi + 1
     idx = index_from_uniforms(draws.pairs(())[0], logw.ravel())
     k_in, s_c = idx // L, (idx % L).astype(dtype)
     # outside values: inversion on [0, lo) U (hi, hi + OUTSIDE_WIDTH]
@@ -366,6 +379,29 @@ def _exact_truncated_poisson_update(draws, eta, n, y, noise_var, bounds):
     picks = index_from_uniforms(w, jnp.broadcast_to(x * eta - gammaln(x + 1), (n, x.size)))
     s_out = jnp.sum(jnp.where(jnp.arange(n) < n - k_in, x[picks], 0.0))
     return s_c, s_c + s_out
+
+
+def _jump_rate_given_counts(draws, prior, rate, eta_of, n, y, noise_var, bounds, anchors):
+    """One Metropolis-Hastings move of a Poisson rate with the statistics of :func:`_exact_truncated_poisson_update`
+    summed out exactly: the independence proposal of :func:`_move_rate_given_release` (normals at the rates whose
+    expected released sum is the release), accepted with the exact marginal ``p(rate) sum_{k, s_c} w(k, s_c)``.
+    The Gibbs steps alone crossed between the posterior's modes slowly or never (100 records in ``[0, 10]``).
+    Returns the rate, its natural parameter and its :func:`_truncated_poisson_log_weights` (for the draw that
+    follows)."""
+    centres, sds = anchors[:2], 1.5 * anchors[2:4]
+    w = draws.pairs(())
+    pick = (w[0] > 0).astype(jnp.int32)
+    log_rates = jnp.stack([jnp.log(rate), centres[pick] + sds[pick] * normal_from_uniforms(2 * jnp.abs(w[0]) - 1)])
+    rates = jnp.exp(log_rates)
+    etas = jax.vmap(eta_of)(rates)
+    log_weights = jax.vmap(lambda e: _truncated_poisson_log_weights(e, n, y, noise_var, bounds))(etas)
+    log_target = (
+        jax.vmap(lambda r: jnp.sum(prior.log_prob(r)))(rates) + log_rates
+        + jax.nn.logsumexp(log_weights[0].reshape(2, -1), axis=1)
+    )
+    log_q = jax.nn.logsumexp(-0.5 * ((log_rates[:, None] - centres) / sds) ** 2 - jnp.log(sds), axis=1)
+    chosen = (log_uniform_from_uniforms(w[1]) < log_target[1] - log_target[0] + log_q[0] - log_q[1]).astype(jnp.int32)
+    return rates[chosen].astype(jnp.result_type(rate)), etas[chosen], jax.tree.map(lambda v: v[chosen], log_weights)
 
 
 def _lowest_count(a: float) -> int:
@@ -389,7 +425,8 @@ in the sampler's state, each drawn from its exact conditional in every sweep
 (:func:`_rescale_rate_and_records`), and the statistics are their sums; above, the statistics are drawn by
 the bivariate CLT (Algorithm 2). With a ``Gamma(2, 2)`` prior at epsilon 1 the CLT's draw put the posterior
 mean of 4 records about 0.5 posterior sd below the exact one (sds 23-31% too small), 0.17 sd at 64 records,
-and at 256 records its chains stayed in one of the posterior's two modes (sd 0.24-0.5x the exact one). A
+and at 256 records its chains stayed in one of the posterior's two modes (sd 0.24-0.5x the exact one; the CLT
+path has since gained moves of the rate across the modes, :func:`_move_rate_given_release`). A
 sweep costs about 13 microseconds per record for 32 chains on a CPU core (at 256 records 72,000 sweeps took
 15 s against the CLT's 0.5 s)."""
 
@@ -727,7 +764,7 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
                     records[blk.stat] = _start_records(blk.num_records, stat, blk.bounds).astype(draws.dtype)
                 if blk.noise_var is not None:
                     z[blk.noise_var] = jnp.full(jnp.shape(y), 2 * blk.noise_scale**2)
-                if (site := self._clt_rate_site(blk, family_of(record), y)) is not None:
+                if (site := self._anchored_rate_site(blk, family_of(record), y)) is not None:
                     prior = tr[site]["fn"]
                     anchors[blk.stat] = _release_anchors(
                         family_of(record), _natural_params_of(record), blk.num_records, y,
@@ -771,13 +808,14 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
             z[capped[0]] = jnp.where(stuck, state.z[capped[0]], z[capped[0]])
         return ExpFamGibbsState(z, next_key, rejections, stalls, records, state.anchors)
 
-    def _clt_rate_site(self, blk: StatisticBlock, family: ExpFamily, y) -> str | None:
-        """The rate site moved by :func:`_move_rate_given_release` before the CLT draw of a truncated release."""
+    def _anchored_rate_site(self, blk: StatisticBlock, family: ExpFamily, y) -> str | None:
+        """The rate site moved with the statistics integrated out before their draw (truncated releases:
+        :func:`_move_rate_given_release` for the CLT's, :func:`_jump_rate_given_counts` for the exact Poisson
+        one)."""
         if blk.naive or blk.bounds is None or blk.stat not in self._rate_sites:
             return None
-        n = blk.num_records
-        if _exact_truncated_exponential(family, n, y) or _exact_truncated_poisson(family, n, y, blk.bounds):
-            return None
+        if _exact_truncated_exponential(family, blk.num_records, y):
+            return None  # the records' own moves (_rescale_rate_and_records)
         return self._rate_sites[blk.stat]
 
     def _raise_if_stuck(self, stalls: jax.Array) -> jax.Array:
@@ -822,7 +860,16 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
                     )
                     z[blk.full_stat] = s_full
                 elif blk.bounds is not None and _exact_truncated_poisson(family, n, y, blk.bounds):
-                    s_rel, s_full = _exact_truncated_poisson_update(draws, eta, n, y, noise_var, blk.bounds)
+                    log_weights = None
+                    if blk.stat in anchors:
+                        site = self._rate_sites[blk.stat]
+                        z[site], eta, log_weights = _jump_rate_given_counts(
+                            draws, tr[site]["fn"], z[site], _natural_params_of(record), n, y, noise_var,
+                            blk.bounds, anchors[blk.stat],
+                        )
+                    s_rel, s_full = _exact_truncated_poisson_update(
+                        draws, eta, n, y, noise_var, blk.bounds, log_weights
+                    )
                     z[blk.full_stat] = s_full
                 elif blk.bounds is not None:
                     released = None
