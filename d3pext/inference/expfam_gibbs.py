@@ -36,9 +36,12 @@ their priors. One sweep, for each release:
    ``n = 2..5`` and 0.39 sd at ``n = 30`` (about one record above 10), hence the exact draw for them
    (now within 0.03 sd); exponential records truncated, 0.12-0.30 sd at ``n = 3..5`` with the paper's
    ``Gamma(20, 20)`` prior and 0.4-0.5 sd at ``n = 4..16`` with a ``Gamma(2, 2)`` one, 0.17 sd at ``n = 64``
-   (hence their latent records, now within the Monte-Carlo error). Where a truncated statistic is drawn by
-   the CLT and the sweep owns the rate, the rate first moves with the statistics integrated out
-   (:func:`_move_rate_given_release`): the CLT's Gibbs steps alone stayed in one of the posterior's modes;
+   (hence their latent records, now within the Monte-Carlo error). A truncated sum rises and falls with the
+   rate, so two rates can explain one release; where the sweep owns the rate of a truncated release, the rate
+   first jumps towards both (:func:`_release_anchors`), with the statistics integrated out
+   (:func:`_move_rate_given_release` under the CLT, :func:`_jump_rate_given_counts` for the exact Poisson draw)
+   or the latent records rescaled with it (:func:`_rescale_rate_and_records`): the Gibbs steps alone stayed
+   in one of the posterior's modes;
 3. the precisions ``1 / sigma_j^2 ~ InverseGaussian(1 / (b |y_j - s_j|), 1 / b^2)`` (Laplace
    scale ``b``, :func:`laplace_mixing_variance`).
 
@@ -388,10 +391,9 @@ def _jump_rate_given_counts(draws, prior, rate, eta_of, n, y, noise_var, bounds,
     The Gibbs steps alone crossed between the posterior's modes slowly or never (100 records in ``[0, 10]``).
     Returns the rate, its natural parameter and its :func:`_truncated_poisson_log_weights` (for the draw that
     follows)."""
-    centres, sds = anchors[:2], 1.5 * anchors[2:4]
     w = draws.pairs(())
-    pick = (w[0] > 0).astype(jnp.int32)
-    log_rates = jnp.stack([jnp.log(rate), centres[pick] + sds[pick] * normal_from_uniforms(2 * jnp.abs(w[0]) - 1)])
+    jump, log_q = _anchor_jump(w[0], anchors)
+    log_rates = jnp.stack([jnp.log(rate), jump])
     rates = jnp.exp(log_rates)
     etas = jax.vmap(eta_of)(rates)
     log_weights = jax.vmap(lambda e: _truncated_poisson_log_weights(e, n, y, noise_var, bounds))(etas)
@@ -399,8 +401,8 @@ def _jump_rate_given_counts(draws, prior, rate, eta_of, n, y, noise_var, bounds,
         jax.vmap(lambda r: jnp.sum(prior.log_prob(r)))(rates) + log_rates
         + jax.nn.logsumexp(log_weights[0].reshape(2, -1), axis=1)
     )
-    log_q = jax.nn.logsumexp(-0.5 * ((log_rates[:, None] - centres) / sds) ** 2 - jnp.log(sds), axis=1)
-    chosen = (log_uniform_from_uniforms(w[1]) < log_target[1] - log_target[0] + log_q[0] - log_q[1]).astype(jnp.int32)
+    log_ratio = log_target[1] - log_target[0] + log_q(log_rates[0]) - log_q(jump)
+    chosen = (log_uniform_from_uniforms(w[1]) < log_ratio).astype(jnp.int32)
     return rates[chosen].astype(jnp.result_type(rate)), etas[chosen], jax.tree.map(lambda v: v[chosen], log_weights)
 
 
@@ -506,7 +508,7 @@ def _exact_truncated_exponential_update(draws, eta, records, y, noise_var, bound
     return records, s_c, jnp.sum(records)
 
 
-def _rescale_rate_and_records(draws, prior, rate, records, y, noise_var, bounds):
+def _rescale_rate_and_records(draws, prior, rate, records, y, noise_var, bounds, anchors=None):
     """Two Metropolis-Hastings moves of the rate and all exponential records together: ``rate e^-u``,
     ``records e^u``, ``u ~ N(0, tau^2)``. The records' density ``prod rate e^(-rate x_i) dx_i`` is unchanged
     in log coordinates (each ``rate x_i`` is), so a move is accepted with the prior's ratio (times the
@@ -515,7 +517,10 @@ def _rescale_rate_and_records(draws, prior, rate, records, y, noise_var, bounds)
     is far tighter than given the release, and the truncated sum is not monotone in the rate (two rates
     can explain one release). The first move's ``tau`` scales with ``u``'s spread under the release and
     the prior, ``(1 + y^2 / sigma^2 + concentration)^-1/2`` (what the move holds fixed), the second's is 1,
-    a jump between modes. Returns ``(rate, records)``."""
+    a jump between modes. With ``anchors`` (:func:`_release_anchors`) a third move draws the new rate from
+    normals at the rates whose expected released sum is the release (:func:`_anchor_jump`), a jump to a mode
+    however far (an independence proposal of ``log rate``: the ratio of its densities joins the acceptance).
+    Returns ``(rate, records)``."""
     a, b = max(bounds[0], 0.0), bounds[1]
     concentration = prior.mean**2 / prior.variance  # the gamma prior's, through plate expansions and masks
 
@@ -530,6 +535,15 @@ def _rescale_rate_and_records(draws, prior, rate, records, y, noise_var, bounds)
         new_rate = (rate * jnp.exp(-u)).astype(jnp.result_type(rate))
         new_records = records * jnp.exp(u).astype(records.dtype)
         accept = log_uniform_from_uniforms(w[1]) < log_target(new_rate, new_records) - log_target(rate, records)
+        rate, records = jnp.where(accept, new_rate, rate), jnp.where(accept, new_records, records)
+    if anchors is not None:
+        w = draws.pairs(())
+        jump, log_q = _anchor_jump(w[0], anchors)
+        u = jnp.log(rate) - jump
+        new_rate = jnp.exp(jump).astype(jnp.result_type(rate))
+        new_records = records * jnp.exp(u).astype(records.dtype)
+        log_ratio = log_target(new_rate, new_records) - log_target(rate, records) + log_q(jnp.log(rate)) - log_q(jump)
+        accept = log_uniform_from_uniforms(w[1]) < log_ratio
         rate, records = jnp.where(accept, new_rate, rate), jnp.where(accept, new_records, records)
     return rate, records
 
@@ -576,22 +590,16 @@ def _move_rate_given_release(draws, prior, rate, eta_of, family, n, y, noise_var
         )
         return log_target, (eta, *moments)
 
-    centres, sds, tau = anchors[:2], 1.5 * anchors[2:4], anchors[4]
     log_rate = jnp.log(rate)
     w_walk, w_jump = draws.pairs(()), draws.pairs(())
-    step = tau * normal_from_uniforms(w_walk[0])
-    pick = (w_jump[0] > 0).astype(jnp.int32)
-    jump = centres[pick] + sds[pick] * normal_from_uniforms(2 * jnp.abs(w_jump[0]) - 1)
+    step = anchors[4] * normal_from_uniforms(w_walk[0])
+    jump, log_q = _anchor_jump(w_jump[0], anchors)
     # the three points do not depend on the moves' outcomes: one vectorised evaluation
     points = jnp.stack([log_rate, log_rate - step, jump])
     targets, moments = jax.vmap(log_target)(points)
 
     walked = log_uniform_from_uniforms(w_walk[1]) < targets[1] - targets[0]
     chosen = walked.astype(jnp.int32)
-
-    def log_q(x):
-        return jax.nn.logsumexp(-0.5 * ((x - centres) / sds) ** 2 - jnp.log(sds))
-
     log_ratio = targets[2] - targets[chosen] + log_q(points[chosen]) - log_q(jump)
     chosen = jnp.where(log_uniform_from_uniforms(w_jump[1]) < log_ratio, 2, chosen)
     rate = jnp.exp(points[chosen]).astype(jnp.result_type(rate))
@@ -633,6 +641,20 @@ def _natural_params_of(record) -> Callable[[jax.Array], jax.Array]:
     """``rate -> eta`` for records of ``record``'s family whose one parameter is ``rate``."""
     family = family_of(record)
     return lambda rate: family.natural_params(type(record)(rate))
+
+
+def _anchor_jump(w: jax.Array, anchors: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """A log rate from the equal mixture of normals at the :func:`_release_anchors`, 1.5 times their posterior
+    sds wide (``w`` one uniform on ``(-1, 1)``: its sign picks the component), and the mixture's log density
+    (up to a constant)."""
+    centres, sds = anchors[:2], 1.5 * anchors[2:4]
+    pick = (w > 0).astype(jnp.int32)
+    jump = centres[pick] + sds[pick] * normal_from_uniforms(2 * jnp.abs(w) - 1)
+
+    def log_q(x):
+        return jax.nn.logsumexp(-0.5 * ((x - centres) / sds) ** 2 - jnp.log(sds))
+
+    return jump, log_q
 
 
 def _truncated_update(draws, family, eta, n, y, noise_var, bounds, sections, released=None):
@@ -764,7 +786,7 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
                     records[blk.stat] = _start_records(blk.num_records, stat, blk.bounds).astype(draws.dtype)
                 if blk.noise_var is not None:
                     z[blk.noise_var] = jnp.full(jnp.shape(y), 2 * blk.noise_scale**2)
-                if (site := self._anchored_rate_site(blk, family_of(record), y)) is not None:
+                if (site := self._anchored_rate_site(blk)) is not None:
                     prior = tr[site]["fn"]
                     anchors[blk.stat] = _release_anchors(
                         family_of(record), _natural_params_of(record), blk.num_records, y,
@@ -808,14 +830,12 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
             z[capped[0]] = jnp.where(stuck, state.z[capped[0]], z[capped[0]])
         return ExpFamGibbsState(z, next_key, rejections, stalls, records, state.anchors)
 
-    def _anchored_rate_site(self, blk: StatisticBlock, family: ExpFamily, y) -> str | None:
-        """The rate site moved with the statistics integrated out before their draw (truncated releases:
-        :func:`_move_rate_given_release` for the CLT's, :func:`_jump_rate_given_counts` for the exact Poisson
-        one)."""
+    def _anchored_rate_site(self, blk: StatisticBlock) -> str | None:
+        """The rate site of a truncated release that jumps to the :func:`_release_anchors` before the statistics'
+        draw (:func:`_move_rate_given_release` for the CLT's, :func:`_jump_rate_given_counts` for the exact
+        Poisson one, :func:`_rescale_rate_and_records` for latent exponential records)."""
         if blk.naive or blk.bounds is None or blk.stat not in self._rate_sites:
             return None
-        if _exact_truncated_exponential(family, blk.num_records, y):
-            return None  # the records' own moves (_rescale_rate_and_records)
         return self._rate_sites[blk.stat]
 
     def _raise_if_stuck(self, stalls: jax.Array) -> jax.Array:
@@ -852,7 +872,8 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
                 if blk.stat in records:
                     if (site := self._rate_sites.get(blk.stat)) is not None:
                         z[site], records[blk.stat] = _rescale_rate_and_records(
-                            draws, tr[site]["fn"], z[site], records[blk.stat], y, noise_var, blk.bounds
+                            draws, tr[site]["fn"], z[site], records[blk.stat], y, noise_var, blk.bounds,
+                            anchors.get(blk.stat),
                         )
                         eta = -z[site]
                     records[blk.stat], s_rel, s_full = _exact_truncated_exponential_update(
