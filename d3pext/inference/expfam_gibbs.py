@@ -166,8 +166,8 @@ class ExpFamGibbsState(NamedTuple):
       after ``max_rejections`` invalid draws.
     - **records** - per release whose records are latent (truncated exponential records, at most
       :data:`EXACT_RECORDS_MAX`), by its statistic site: the records.
-    - **anchors** - per truncated release drawn by the CLT whose rate the kernel owns, by its statistic
-      site: where the rate's posterior modes can lie (:func:`_release_anchors`).
+    - **anchors** - per truncated release whose rate the kernel owns, by its statistic site: where the
+      rate's posterior modes can lie (:func:`_release_anchors`, fixed for the run).
     """
 
     z: dict[str, jax.Array]
@@ -732,8 +732,8 @@ class ExpFamGibbs(ConstrainedGibbsKernel):
         self._model = model
         self._blocks = tuple(blocks)
         # the rate site of truncated Poisson or exponential records, moved before the statistics' draw (a site is
-        # owned by one block): with the latent records (_rescale_rate_and_records) or, where the statistics are
-        # drawn by the CLT, with them integrated out (_move_rate_given_release)
+        # owned by one block): with the latent records (_rescale_rate_and_records) or with the statistics
+        # integrated out (_move_rate_given_release under the CLT, _jump_rate_given_counts for exact counts)
         self._rate_sites = {
             blk.stat: blk.params[0][0]
             for blk in self._blocks
