@@ -385,12 +385,12 @@ def _exact_truncated_poisson_update(draws, eta, n, y, noise_var, bounds, log_wei
 
 
 def _jump_rate_given_counts(draws, prior, rate, eta_of, n, y, noise_var, bounds, anchors):
-    """One Metropolis-Hastings move of a Poisson rate with the statistics of :func:`_exact_truncated_poisson_update`
-    summed out exactly: the independence proposal of :func:`_move_rate_given_release` (normals at the rates whose
-    expected released sum is the release), accepted with the exact marginal ``p(rate) sum_{k, s_c} w(k, s_c)``.
-    The Gibbs steps alone crossed between the posterior's modes slowly or never (100 records in ``[0, 10]``).
-    Returns the rate, its natural parameter and its :func:`_truncated_poisson_log_weights` (for the draw that
-    follows)."""
+    """One Metropolis-Hastings move of a Poisson rate with the statistics of
+    :func:`_exact_truncated_poisson_update` summed out exactly: the independence proposal of
+    :func:`_anchor_jump` (at the rates whose expected released sum is the release), accepted with the exact
+    marginal ``p(rate) sum_{k, s_c} w(k, s_c)``. The Gibbs steps alone crossed between the posterior's modes
+    slowly or never (100 records in ``[0, 10]``). Returns the rate, its natural parameter and its
+    :func:`_truncated_poisson_log_weights` (for the draw that follows)."""
     w = draws.pairs(())
     jump, log_q = _anchor_jump(w[0], anchors)
     log_rates = jnp.stack([jnp.log(rate), jump])
@@ -518,8 +518,9 @@ def _rescale_rate_and_records(draws, prior, rate, records, y, noise_var, bounds,
     can explain one release). The first move's ``tau`` scales with ``u``'s spread under the release and
     the prior, ``(1 + y^2 / sigma^2 + concentration)^-1/2`` (what the move holds fixed), the second's is 1,
     a jump between modes. With ``anchors`` (:func:`_release_anchors`) a third move draws the new rate from
-    normals at the rates whose expected released sum is the release (:func:`_anchor_jump`), a jump to a mode
-    however far (an independence proposal of ``log rate``: the ratio of its densities joins the acceptance).
+    Cauchy distributions at the rates whose expected released sum is the release (:func:`_anchor_jump`), a
+    jump to a mode however far (an independence proposal of ``log rate``: the ratio of its densities joins the
+    acceptance).
     Returns ``(rate, records)``."""
     a, b = max(bounds[0], 0.0), bounds[1]
     concentration = prior.mean**2 / prior.variance  # the gamma prior's, through plate expansions and masks
@@ -552,7 +553,9 @@ def _released_moments(family, eta, n, bounds):
     """The CLT of the released statistic ``s_c = sum_i 1_[a,b](x_i) t(x_i)``: ``(q, mu_c, sigma_c, m_c, v_c)``,
     the truncated family's mass, mean and variance and the sum's mean and variance."""
     q, mu_c, sigma_c = truncated_moments(family, eta, *bounds)
-    return q, mu_c, sigma_c, n * q * mu_c, n * q * sigma_c + n * q * (1 - q) * mu_c**2
+    v_c = n * q * sigma_c + n * q * (1 - q) * mu_c**2
+    # at least the smallest normal float: where q underflows (a rate far above b) the sum is 0 with variance 0
+    return q, mu_c, sigma_c, n * q * mu_c, jnp.maximum(v_c, jnp.finfo(jnp.result_type(v_c)).tiny)
 
 
 def _released_range(family, n, bounds) -> tuple[float, float]:
@@ -570,9 +573,9 @@ def _move_rate_given_release(draws, prior, rate, eta_of, family, n, y, noise_var
     (:func:`_release_anchors`, computed once):
 
     1. a random walk ``rate e^-u``, ``u ~ N(0, tau^2)``;
-    2. an independence proposal of the log rate from an equal mixture of normals at the rates whose ``m_c`` is
-       the release (on the rising and on the falling branch), 1.5 times the posterior sd there wide: a jump to
-       the other mode however far it lies.
+    2. an independence proposal of the log rate (:func:`_anchor_jump`) from Cauchy distributions at the rates
+       whose ``m_c`` is the release (on the rising and on the falling branch), the posterior sd there wide: a
+       jump to the other mode however far it lies.
 
     Returns the rate, its natural parameter and its :func:`_released_moments`."""
     lo, hi = _released_range(family, n, bounds)
@@ -607,12 +610,13 @@ def _move_rate_given_release(draws, prior, rate, eta_of, family, n, y, noise_var
 
 
 def _release_anchors(family, eta_of, n: int, y, noise_var, bounds, concentration, num: int = 256) -> jax.Array:
-    """Where the rate's posterior given a truncated release can have its modes, for
-    :func:`_move_rate_given_release`: ``(c_1, c_2, s_1, s_2, tau)``, the log rates of the first up- and the last
-    down-crossing of ``m_c = y`` on a grid of ``num`` log rates (linear interpolation; at the top of ``m_c`` where
-    the release is above it, one crossing twice), the posterior sds of the log rate there,
-    ``(concentration + I)^-1/2`` with ``I = (d m_c / d log rate)^2 / (v_c + sigma^2)``, at most 1, and the random
-    walk's scale, 2.4 times the smaller sd. The grid spans record means (``rate`` for Poisson records,
+    """Where the rate's posterior given a truncated release can have its modes, for the jumps of
+    :func:`_anchor_jump`: ``(c_1, c_2, s_1, s_2, tau, low, high)``. ``c_1, c_2``: the log rates of the first
+    up- and the last down-crossing of ``m_c = y`` on a grid of ``num`` log rates (linear interpolation; without
+    a crossing on a side of ``m_c``'s peak, the grid point of that side whose ``m_c`` is nearest ``y``);
+    ``s_1, s_2``: the posterior sds of the log rate there, ``(concentration + I)^-1/2`` with
+    ``I = (d m_c / d log rate)^2 / (v_c + sigma^2)``, at most 1; ``tau``: the random walk's scale, 2.4 times
+    the smaller sd; ``low, high``: the grid's ends. The grid spans record means (``rate`` for Poisson records,
     ``1 / rate`` for exponential ones) from ``|y| / (10 n max(b, 1)^2)`` to ``10 max(b, 1)^2 n / |y|`` either
     way round."""
     b = max(bounds[1], 1.0)
@@ -622,11 +626,13 @@ def _release_anchors(family, eta_of, n: int, y, noise_var, bounds, concentration
     _, _, _, m_c, v_c = jax.vmap(lambda x: _released_moments(family, eta_of(jnp.exp(x)), n, bounds))(grid)
     gap = jnp.nan_to_num(m_c - y, nan=-jnp.inf)
     up, down = (gap[:-1] <= 0) & (gap[1:] > 0), (gap[:-1] > 0) & (gap[1:] <= 0)
-    first_up = jnp.where(jnp.any(up), jnp.argmax(up), -1)
-    last_down = jnp.where(jnp.any(down), num - 2 - jnp.argmax(down[::-1]), -1)
-    cells = jnp.stack([jnp.where(first_up < 0, last_down, first_up), jnp.where(last_down < 0, first_up, last_down)])
-    found = cells >= 0
-    k = jnp.where(found, cells, jnp.minimum(jnp.argmax(gap), num - 2))
+    found = jnp.stack([jnp.any(up), jnp.any(down)])
+    # without a crossing on a side of the peak, the point of that side whose m_c is nearest the release
+    side = jnp.arange(num) <= jnp.argmax(gap)
+    nearest = jnp.stack([jnp.argmin(jnp.where(side, jnp.abs(gap), jnp.inf)),
+                         jnp.argmin(jnp.where(side, jnp.inf, jnp.abs(gap)))])
+    cells = jnp.stack([jnp.argmax(up), num - 2 - jnp.argmax(down[::-1])])
+    k = jnp.where(found, cells, jnp.minimum(nearest, num - 2))
     h = grid[1] - grid[0]
     g0, g1 = gap[k], gap[k + 1]
     frac = jnp.where(found, jnp.clip(jnp.nan_to_num(g0 / (g0 - g1), nan=0.5), 0.0, 1.0), 0.0)  # g0 may be -inf
@@ -634,7 +640,7 @@ def _release_anchors(family, eta_of, n: int, y, noise_var, bounds, concentration
     slope = jnp.where(found, (g1 - g0) / h, 0.0)
     total = v_c[k] + frac * (v_c[k + 1] - v_c[k]) + noise_var
     sds = jnp.nan_to_num(jnp.minimum(lax.rsqrt(concentration + slope**2 / total), 1.0), nan=1.0)
-    return jnp.concatenate([centres, sds, 2.4 * jnp.min(sds, keepdims=True)])
+    return jnp.concatenate([centres, sds, 2.4 * jnp.min(sds, keepdims=True), jnp.stack([low, high])])
 
 
 def _natural_params_of(record) -> Callable[[jax.Array], jax.Array]:
@@ -644,15 +650,21 @@ def _natural_params_of(record) -> Callable[[jax.Array], jax.Array]:
 
 
 def _anchor_jump(w: jax.Array, anchors: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
-    """A log rate from the equal mixture of normals at the :func:`_release_anchors`, 1.5 times their posterior
-    sds wide (``w`` one uniform on ``(-1, 1)``: its sign picks the component), and the mixture's log density
-    (up to a constant)."""
-    centres, sds = anchors[:2], 1.5 * anchors[2:4]
+    """A log rate from the equal mixture of Cauchy distributions at the :func:`_release_anchors`, their posterior
+    sds wide, each restricted to the anchors' grid (``w`` one uniform on ``(-1, 1)``: its sign picks the
+    component), and the mixture's log density (up to a constant; ``-inf`` off the grid). Heavy tails let a
+    chain far from both anchors (started where neither mode is) leave, and the grid keeps the rates where the
+    moments are accurate."""
+    centres, scales, low, high = anchors[:2], anchors[2:4], anchors[5], anchors[6]
+    below, above = jnp.arctan((low - centres) / scales), jnp.arctan((high - centres) / scales)
     pick = (w > 0).astype(jnp.int32)
-    jump = centres[pick] + sds[pick] * normal_from_uniforms(2 * jnp.abs(w) - 1)
+    angle = below[pick] + (above[pick] - below[pick]) * jnp.abs(w)
+    jump = jnp.clip(centres[pick] + scales[pick] * jnp.tan(angle), low, high)
 
     def log_q(x):
-        return jax.nn.logsumexp(-0.5 * ((x - centres) / sds) ** 2 - jnp.log(sds))
+        z = (x - centres) / scales
+        log_q = jax.nn.logsumexp(-jnp.log1p(z**2) - jnp.log(scales) - jnp.log(above - below))
+        return jnp.where((x >= low) & (x <= high), log_q, -jnp.inf)
 
     return jump, log_q
 
