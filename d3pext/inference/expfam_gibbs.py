@@ -615,8 +615,8 @@ def _release_anchors(family, eta_of, n: int, y, noise_var, bounds, concentration
     up- and the last down-crossing of ``m_c = y`` on a grid of ``num`` log rates (linear interpolation; without
     a crossing on a side of ``m_c``'s peak, the grid point of that side whose ``m_c`` is nearest ``y``);
     ``s_1, s_2``: the posterior sds of the log rate there, ``(concentration + I)^-1/2`` with
-    ``I = (d m_c / d log rate)^2 / (v_c + sigma^2)``, at most 1; ``tau``: the random walk's scale, 2.4 times
-    the smaller sd; ``low, high``: the grid's ends. The grid spans record means (``rate`` for Poisson records,
+    ``I = (d m_c / d log rate)^2 / (v_c + sigma^2)``, within ``[1e-4, 1]``; ``tau``: the random walk's scale,
+    2.4 times the smaller sd; ``low, high``: the grid's ends. The grid spans record means (``rate`` for Poisson records,
     ``1 / rate`` for exponential ones) from ``|y| / (10 n max(b, 1)^2)`` to ``10 max(b, 1)^2 n / |y|`` either
     way round."""
     b = max(bounds[1], 1.0)
@@ -639,7 +639,7 @@ def _release_anchors(family, eta_of, n: int, y, noise_var, bounds, concentration
     centres = grid[k] + h * frac
     slope = jnp.where(found, (g1 - g0) / h, 0.0)
     total = v_c[k] + frac * (v_c[k + 1] - v_c[k]) + noise_var
-    sds = jnp.nan_to_num(jnp.minimum(lax.rsqrt(concentration + slope**2 / total), 1.0), nan=1.0)
+    sds = jnp.clip(jnp.nan_to_num(lax.rsqrt(concentration + slope**2 / total), nan=1.0), 1e-4, 1.0)
     return jnp.concatenate([centres, sds, 2.4 * jnp.min(sds, keepdims=True), jnp.stack([low, high])])
 
 
