@@ -317,7 +317,8 @@ def truncated_moments(
     """``(q, mean, variance)`` of ``t(x)`` for a univariate family truncated to ``[v, w]`` (Lemma 1).
 
     ``q = F(w) - F(v)``; mean and variance add the first and second derivatives of ``log q`` in
-    ``eta`` to those of the untruncated family.
+    ``eta`` to those of the untruncated family. A discrete family with a ``log_base_measure`` over fewer than
+    :data:`FINITE_SUM_MAX` values sums over them instead (accurate where ``q`` underflows).
 
     >>> import jax.numpy as jnp, numpyro.distributions as dist
     >>> fam = family_of(dist.Exponential(1.0))
