@@ -10,8 +10,8 @@ over ``--repeats`` processes and as ratios:
 - ``init``: ``SVI.init`` against ``DPSVI.init`` (DPSVI also traces its structure, calibrates sigma
   and runs its two privacy checks), same model, guide, data and optimizer;
 - ``first step``: the first ``update`` after ``init`` (compilation plus one step): ``jax.jit(svi.update)``
-  against ``dpsvi.update`` (which jits itself), also as the ratio of each pair of processes run one
-  after the other; ``init and first step``: the two together, the wait for a first result;
+  against ``dpsvi.update`` (which jits itself; its batch sampler and noise draw are a program of their own,
+  compiled in ``init``), also as the ratio of each pair of processes run one after the other; ``init and first step``: the two together, the wait for a first result;
   ``init_full_gc``, ``first_step_full_gc``: seconds of CPython's full (generation 2) collections
   within each (``gc.callbacks``), and the first step's ratio without them;
 - ``run``: ``run(key, 200 steps)`` on a new object, then again on the same object with a new key, then
@@ -139,7 +139,8 @@ dpsvi = DPSVI(logistic_regression, logistic_guide, optim, Trace_ELBO(), clipping
               num_steps=200)
 dstate = dpsvi.init(jax.random.key(0), x, y, batch_size=200)
 dyn, static = _split_kwargs({"batch_size": 200})
-lowered["dpsvi"] = dpsvi._jitted_step(static, False).trace(dstate, (x, y), dyn, None, dpsvi._settings()).lower()
+draws = dpsvi._draws_program()(dstate.rng_key, dstate.optim_state)  # compiled in init: the step takes them
+lowered["dpsvi"] = dpsvi._jitted_step(static, False).trace(dstate, (x, y), dyn, None, dpsvi._settings(), draws).lower()
 backend = xla_bridge.get_backend("cpu")
 devices = xla_client.DeviceList(tuple(backend.devices()[:1]))
 options = compiler.get_compile_options(num_replicas=1, num_partitions=1)

@@ -77,6 +77,29 @@ def test_update_and_init_compile_once():
     assert compiled == [], f"{len(compiled)} program(s) compiled again"
 
 
+@pytest.mark.parametrize("sampler", ["fixed", "poisson"])
+def test_update_compiles_only_its_step_after_init_and_equals_run(sampler):
+    # the batch sampler and the noise compile in init, a program of their own; the first update then
+    # compiles the model's step alone, and a loop of updates is run's loop to the bit
+    def make_one():
+        return DPSVI(model, guide, numpyro.optim.Adam(0.05), Trace_ELBO(), clipping_threshold=2.0, dp_scale=1.0,
+                     sampler=sampler, sampling_rate=50 / 300 if sampler == "poisson" else None, delta=1e-5)
+
+    svi = make_one()
+    with compilations() as in_init:
+        state = svi.init(jax.random.key(3), X, batch_size=50)
+    with compilations() as compiled:
+        state, loss = svi.update(state, X, batch_size=50)
+        jax.block_until_ready(loss)
+    assert "_draws_of" in " ".join(in_init) and len(compiled) == 1 and "_step" in compiled[0], (in_init, compiled)
+    for _ in range(3):
+        state, loss = svi.update(state, X, batch_size=50)
+    result = make_one().run(jax.random.key(3), 4, X, batch_size=50, progress_bar=False)
+    assert float(loss) == float(result.losses[-1])
+    np.testing.assert_array_equal(svi.get_params(state)["loc"], result.params["loc"])
+    np.testing.assert_array_equal(jax.random.key_data(state.rng_key), jax.random.key_data(result.state.rng_key))
+
+
 def test_objects_that_differ_in_sigma_or_plan_compile_the_same_programs():
     # sigma C and the plan are arguments of the compiled step and loop, not constants: a sweep over
     # epsilons compiles programs that the persistent compilation cache finds (the CLI, the notebooks)

@@ -112,6 +112,15 @@ class DPSVIRunResult(NamedTuple):
     privacy: PrivacyReport
 
 
+class _StepDraws(NamedTuple):
+    """What a step draws from its key: the ELBO's keys (one per particle), the batch's indices and
+    mask (plate mode; ``None`` in batch mode) and standard normals shaped like the parameters."""
+
+    elbo_keys: jax.Array
+    batch: Optional[tuple]
+    noise: list
+
+
 @dataclass(frozen=True)
 class _Structure:
     """What :meth:`DPSVI.init` learns from tracing the model once."""
@@ -572,6 +581,7 @@ class DPSVI(SVI):
         self._noise_size = 0  # parameters noised per step: the noise's extra delta counts them
         self._steps = {}
         self._chunks = {}
+        self._draws = None  # the compiled draws of update's steps (_draws_program)
         self._isolation_checks = {}
         self._independence_proofs = set()  # signatures whose global part was proven independent of the data
         self._global_programs = {}  # step signature -> (jaxpr, output tree) of the proven global part
@@ -1170,6 +1180,12 @@ class DPSVI(SVI):
     @one_model_at_a_time
     def init(self, rng_key, *args, init_params=None, **kwargs) -> DPSVIState:
         """Trace the model, find its data plate and sampling rate, calibrate sigma if a target was given."""
+        state = self._init(rng_key, args, kwargs, init_params)
+        if self._split_update():
+            self._draws_program()(state.rng_key, state.optim_state)  # update's draws compile here (see _draws_program)
+        return state
+
+    def _init(self, rng_key, args, kwargs, init_params) -> DPSVIState:
         kwargs.pop("mask", None)  # d3p's Poisson-batch mask is DPSVI's, not the model's (see update)
         _num_records(args)
         self._check_inputs(args, kwargs)
@@ -1198,6 +1214,7 @@ class DPSVI(SVI):
         if (structure, sampler, noise_size) != (self.structure, self.sampler, self._noise_size):
             self._steps.clear()  # compiled steps hold the structure and the sampler (sigma is an argument)
             self._chunks.clear()
+            self._draws = None
             self._isolation_checks.clear()
             self._independence_proofs.clear()
             self._global_programs.clear()
@@ -1351,22 +1368,32 @@ class DPSVI(SVI):
         state, init_key = executable(*inputs)
         return state, init_key, traces
 
-    def _private_grad(self, params, rng_key, args, kwargs, stable: bool, batch_mask=None, noise_std=None):
-        """Noisy, clipped and rescaled gradient of the negative ELBO, the (non-private) loss estimate
-        and the number of sampled records dropped for a non-finite loss or gradient.
-
-        ``noise_std`` is sigma C (default: this object's), an argument of the compiled step (see
-        :meth:`_settings`)."""
-        structure = self.structure
-        # one key, or the three keys already split off by the caller (_step)
-        batch_key, elbo_key, noise_key = random.split(rng_key, 3) if jnp.ndim(rng_key) == 0 else rng_key
+    def _step_draws(self, keys, like: list) -> _StepDraws:
+        """A step's draws from its three keys (batch, ELBO, noise): they depend on the keys and the
+        parameters' shapes alone, not on the model, the data or the parameters' values."""
+        batch_key, elbo_key, noise_key = keys
         # The batch and the noise carry the privacy guarantee and use the caller's (e.g. ChaCha20) key. The
         # variational samples do not: a Threefry key keeps every JAX sampler (gamma, poisson) fast and available.
         # split once for the record terms and the global terms: inside run's loop XLA does not merge
         # the two copies of the split (it does in a step compiled on its own)
-        elbo_key = self._elbo_keys(elbo_key)
+        batch = self.sampler(batch_key) if self.structure.plate_mode else None
+        return _StepDraws(self._elbo_keys(elbo_key), batch, _standard_normals(noise_key, like))
+
+    def _private_grad(self, params, rng_key, args, kwargs, stable: bool, batch_mask=None, noise_std=None):
+        """Noisy, clipped and rescaled gradient of the negative ELBO, the (non-private) loss estimate
+        and the number of sampled records dropped for a non-finite loss or gradient.
+
+        ``rng_key`` is one key, the three keys split off by the caller, or the draws made from them
+        (:meth:`_step_draws`). ``noise_std`` is sigma C (default: this object's), an argument of the
+        compiled step (see :meth:`_settings`)."""
+        structure = self.structure
+        draws = rng_key
+        if not isinstance(draws, _StepDraws):
+            keys = random.split(rng_key, 3) if jnp.ndim(rng_key) == 0 else rng_key
+            draws = self._step_draws(keys, jax.tree.leaves(params))
+        elbo_key = draws.elbo_keys
         if structure.plate_mode:
-            indices, mask = self.sampler(batch_key)
+            indices, mask = draws.batch
             records = (indices, jnp.arange(indices.shape[0]))
         else:
             n = jnp.shape(args[0])[0]
@@ -1396,7 +1423,7 @@ class DPSVI(SVI):
         scale = 1.0 / self.sampler.q  # N / B for fixed-size batches, 1 / q for Poisson ones
         if noise_std is None:
             noise_std = self.dp_scale * c
-        noisy = [(g + noise_std * z) * scale for g, z in zip(leaves, _standard_normals(noise_key, leaves))]
+        noisy = [(g + noise_std * z) * scale for g, z in zip(leaves, draws.noise)]
         global_loss, global_grads = self._global_value_and_grad(
             params, elbo_key, args, kwargs, indices[0] if structure.plate_mode else None
         )
@@ -1415,13 +1442,21 @@ class DPSVI(SVI):
         the same programs, which the persistent compilation cache finds."""
         return self.dp_scale * self.clipping_threshold, self.planned_steps
 
-    def _step(self, state: DPSVIState, args, dyn_kwargs, batch_mask, settings, static_kwargs, stable: bool):
+    def _draws_of(self, rng_key, optim_state) -> tuple:
+        """The next state's key and a step's draws (:meth:`_step_draws`) from the state's key."""
+        keys = random.split(rng_key, 4)  # one split: each split compiles its own copy of the hash
+        like = jax.tree.leaves(self.optim.get_params(optim_state))
+        return keys[0], self._step_draws(keys[1:], like)
+
+    def _step(self, state: DPSVIState, args, dyn_kwargs, batch_mask, settings, draws=None, *, static_kwargs,
+              stable: bool):
+        """One private step; ``draws``: :meth:`_draws_of` the state's key, made by the caller (``update``,
+        where a program of their own compiles in ``init``), or here (``run``'s loop, a caller's jit)."""
         kwargs = {**dyn_kwargs, **dict(static_kwargs)}
         noise_std, planned_steps = settings
-        keys = random.split(state.rng_key, 4)  # one split: each split compiles its own copy of the hash
+        rng_key, draws = self._draws_of(state.rng_key, state.optim_state) if draws is None else draws
         params = self.optim.get_params(state.optim_state)
-        loss, grads, dropped = self._private_grad(params, keys[1:], args, kwargs, stable, batch_mask, noise_std)
-        rng_key = keys[0]
+        loss, grads, dropped = self._private_grad(params, draws, args, kwargs, stable, batch_mask, noise_std)
         # optax transformations may ask for the loss value (``update_with_value``); the loss is not private,
         # so they get NaN: value-driven schedules (line searches, reduce-on-plateau) cannot be used with DPSVI.
         value = jnp.nan if self.optim.update_with_value else None
@@ -1463,6 +1498,23 @@ class DPSVI(SVI):
         if key not in self._steps:
             self._steps[key] = jax.jit(partial(self._step, static_kwargs=static_kwargs, stable=stable))
         return self._steps[key]
+
+    def _draws_program(self):
+        """The compiled :meth:`_draws_of`, one per object and structure.
+
+        ``update`` runs it and then the step on its draws, two programs where ``run``'s loop has one:
+        the batch sampler and the full-tailed noise are about half of the step's compile in XLA (an
+        ablation, benchmarks/RESULTS.md, session 26), and they depend only on the key and the parameters'
+        shapes, so ``init`` compiles them and the first ``update`` compiles the rest. The draws are the
+        same as the one-program step's."""
+        if self._draws is None:
+            self._draws = cached_jit(self._draws_of)
+        return self._draws
+
+    def _split_update(self) -> bool:
+        """Whether ``update`` runs the draws as a program of their own: not over a mesh, where the one
+        program keeps its sharding of the step."""
+        return self.mesh is None
 
     def _check_ready(self):
         if self.structure is None:
@@ -1549,9 +1601,7 @@ class DPSVI(SVI):
         self._check_plan(svi_state, 1)
         self._check_inputs(args, kwargs)
         self._check_records(args)
-        mask = self._batch_mask(kwargs)
-        dyn, static = _split_kwargs(kwargs)
-        return self._counted(svi_state, self._jitted_step(static, False)(svi_state, args, dyn, mask, self._settings()))
+        return self._update(svi_state, args, kwargs, False)
 
     @one_model_at_a_time
     def stable_update(self, svi_state: DPSVIState, *args, **kwargs):
@@ -1565,9 +1615,15 @@ class DPSVI(SVI):
         self._check_plan(svi_state, 1)
         self._check_inputs(args, kwargs)
         self._check_records(args)
+        return self._update(svi_state, args, kwargs, True)
+
+    def _update(self, svi_state: DPSVIState, args, kwargs, stable: bool):
         mask = self._batch_mask(kwargs)
         dyn, static = _split_kwargs(kwargs)
-        return self._counted(svi_state, self._jitted_step(static, True)(svi_state, args, dyn, mask, self._settings()))
+        inputs = (svi_state, args, dyn, mask, self._settings())
+        if self._split_update():
+            inputs += (self._draws_program()(svi_state.rng_key, svi_state.optim_state),)
+        return self._counted(svi_state, self._jitted_step(static, stable)(*inputs))
 
     def _counted(self, old: DPSVIState, out: tuple) -> tuple:
         """Remember the step count of a state returned by update, so that the plan check of the next
@@ -1605,7 +1661,8 @@ class DPSVI(SVI):
             raise ValueError(f"num_steps must be a positive integer, got {num_steps}")
         num_steps = int(num_steps)
         if init_state is None:
-            state = self.init(rng_key, *args, init_params=init_params, **{k: v for k, v in kwargs.items() if k != "mask"})
+            # not init: run's loop draws inside its one program, update's draws would compile for nothing
+            state = self._init(rng_key, args, {k: v for k, v in kwargs.items() if k != "mask"}, init_params)
         else:
             self._check_ready()
             self._check_inputs(args, kwargs)
