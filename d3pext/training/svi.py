@@ -26,7 +26,7 @@ import math
 import warnings
 import weakref
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -280,6 +280,51 @@ def _standard_normals(key: jax.Array, like: list) -> list:
         for i, start, size in zip(members, np.cumsum([0] + sizes[:-1]), sizes):
             out[i] = z[start:start + size].reshape(like[i].shape)
     return out
+
+
+def _particle_keys(rng_key: jax.Array, num_particles: int) -> jax.Array:
+    """One key per particle, split from ``rng_key`` (or already split: a 1-D array of keys); a single
+    particle takes ``rng_key`` itself, which has no other use (a split would compile a hash loop)."""
+    typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
+    if jnp.ndim(rng_key) == (1 if typed else 2):  # raw keys carry their words in a last axis
+        return rng_key
+    if num_particles == 1:
+        return rng_key[None]
+    return random.split(rng_key, num_particles)
+
+
+def _elbo_keys(rng_key: jax.Array, num_particles: int) -> jax.Array:
+    """The keys of the ELBO's variational samples, as a step makes them from one of its keys: Threefry,
+    one per particle."""
+    if not is_threefry_key(rng_key):
+        rng_key = threefry_key(rng_key)
+    return _particle_keys(rng_key, num_particles)
+
+
+def _step_draws(keys, like: list, sampler, num_particles: int) -> _StepDraws:
+    """A step's draws from its three keys (batch, ELBO, noise): the batch of ``sampler`` (``None`` in batch
+    mode), the ELBO's keys and standard normals shaped like ``like``, the parameters. They depend on the keys,
+    the sampler and the parameters' shapes alone, not on the model, the data or the parameters' values."""
+    batch_key, elbo_key, noise_key = keys
+    # The batch and the noise carry the privacy guarantee and use the caller's (e.g. ChaCha20) key. The
+    # variational samples do not: a Threefry key keeps every JAX sampler (gamma, poisson) fast and available.
+    # split once for the record terms and the global terms: inside run's loop XLA does not merge
+    # the two copies of the split (it does in a step compiled on its own)
+    batch = None if sampler is None else sampler(batch_key)
+    return _StepDraws(_elbo_keys(elbo_key, num_particles), batch, _standard_normals(noise_key, like))
+
+
+def _next_key_and_draws(rng_key: jax.Array, params, sampler, num_particles: int) -> tuple:
+    """The next state's key and a step's :func:`_step_draws` from the state's key."""
+    keys = random.split(rng_key, 4)  # one split: each split compiles its own copy of the hash
+    return keys[0], _step_draws(keys[1:], jax.tree.leaves(params), sampler, num_particles)
+
+
+@lru_cache(maxsize=64)
+def _draws_program(sampler, num_particles: int):
+    """:func:`_next_key_and_draws` compiled, shared by the DPSVI objects of one sampler and number of
+    particles (a sweep over epsilons, a refit): whatever their model, its programs are the same."""
+    return cached_jit(partial(_next_key_and_draws, sampler=sampler, num_particles=num_particles))
 
 
 def _split_kwargs(kwargs: dict) -> tuple[dict, tuple]:
@@ -581,7 +626,6 @@ class DPSVI(SVI):
         self._noise_size = 0  # parameters noised per step: the noise's extra delta counts them
         self._steps = {}
         self._chunks = {}
-        self._draws = None  # the compiled draws of update's steps (_draws_program)
         self._isolation_checks = {}
         self._independence_proofs = set()  # signatures whose global part was proven independent of the data
         self._global_programs = {}  # step signature -> (jaxpr, output tree) of the proven global part
@@ -853,14 +897,7 @@ class DPSVI(SVI):
         return local, global_
 
     def _particle_keys(self, rng_key):
-        """One key per particle, split from ``rng_key`` (or already split: a 1-D array of keys); a single
-        particle takes ``rng_key`` itself, which has no other use (a split would compile a hash loop)."""
-        typed = jax.dtypes.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
-        if jnp.ndim(rng_key) == (1 if typed else 2):  # raw keys carry their words in a last axis
-            return rng_key
-        if self.loss.num_particles == 1:
-            return rng_key[None]
-        return random.split(rng_key, self.loss.num_particles)
+        return _particle_keys(rng_key, self.loss.num_particles)
 
     def _record_loss(self, params, rng_key, args, kwargs, record, isolate: bool = True):
         """Unscaled negative ELBO term of one record, averaged over particles."""
@@ -909,11 +946,7 @@ class DPSVI(SVI):
             pass
 
     def _elbo_keys(self, rng_key):
-        """The keys of the ELBO's variational samples, as a step makes them from one of its keys: Threefry,
-        one per particle."""
-        if not is_threefry_key(rng_key):
-            rng_key = threefry_key(rng_key)
-        return self._particle_keys(rng_key)
+        return _elbo_keys(rng_key, self.loss.num_particles)
 
     def _check_global_independence(self, params, rng_key, args, kwargs) -> None:
         """Refuse a model whose global (unclipped, noise-free) part can depend on the data.
@@ -1182,7 +1215,7 @@ class DPSVI(SVI):
         """Trace the model, find its data plate and sampling rate, calibrate sigma if a target was given."""
         state = self._init(rng_key, args, kwargs, init_params)
         if self._split_update():
-            self._draws_program()(state.rng_key, state.optim_state)  # update's draws compile here (see _draws_program)
+            self._update_draws(state)  # update's draws compile here, or are found compiled (see _update_draws)
         return state
 
     def _init(self, rng_key, args, kwargs, init_params) -> DPSVIState:
@@ -1214,7 +1247,6 @@ class DPSVI(SVI):
         if (structure, sampler, noise_size) != (self.structure, self.sampler, self._noise_size):
             self._steps.clear()  # compiled steps hold the structure and the sampler (sigma is an argument)
             self._chunks.clear()
-            self._draws = None
             self._isolation_checks.clear()
             self._independence_proofs.clear()
             self._global_programs.clear()
@@ -1369,15 +1401,11 @@ class DPSVI(SVI):
         return state, init_key, traces
 
     def _step_draws(self, keys, like: list) -> _StepDraws:
-        """A step's draws from its three keys (batch, ELBO, noise): they depend on the keys and the
-        parameters' shapes alone, not on the model, the data or the parameters' values."""
-        batch_key, elbo_key, noise_key = keys
-        # The batch and the noise carry the privacy guarantee and use the caller's (e.g. ChaCha20) key. The
-        # variational samples do not: a Threefry key keeps every JAX sampler (gamma, poisson) fast and available.
-        # split once for the record terms and the global terms: inside run's loop XLA does not merge
-        # the two copies of the split (it does in a step compiled on its own)
-        batch = self.sampler(batch_key) if self.structure.plate_mode else None
-        return _StepDraws(self._elbo_keys(elbo_key), batch, _standard_normals(noise_key, like))
+        return _step_draws(keys, like, self._batch_sampler(), self.loss.num_particles)
+
+    def _batch_sampler(self):
+        """The sampler that draws each step's batch: ``None`` in batch mode, where the caller draws them."""
+        return self.sampler if self.structure.plate_mode else None
 
     def _private_grad(self, params, rng_key, args, kwargs, stable: bool, batch_mask=None, noise_std=None):
         """Noisy, clipped and rescaled gradient of the negative ELBO, the (non-private) loss estimate
@@ -1442,20 +1470,17 @@ class DPSVI(SVI):
         the same programs, which the persistent compilation cache finds."""
         return self.dp_scale * self.clipping_threshold, self.planned_steps
 
-    def _draws_of(self, rng_key, optim_state) -> tuple:
-        """The next state's key and a step's draws (:meth:`_step_draws`) from the state's key."""
-        keys = random.split(rng_key, 4)  # one split: each split compiles its own copy of the hash
-        like = jax.tree.leaves(self.optim.get_params(optim_state))
-        return keys[0], self._step_draws(keys[1:], like)
-
     def _step(self, state: DPSVIState, args, dyn_kwargs, batch_mask, settings, draws=None, *, static_kwargs,
               stable: bool):
-        """One private step; ``draws``: :meth:`_draws_of` the state's key, made by the caller (``update``,
-        where a program of their own compiles in ``init``), or here (``run``'s loop, a caller's jit)."""
+        """One private step; ``draws``: :func:`_next_key_and_draws` of the state's key, made by the caller
+        (``update``, where a program of their own compiles in ``init``), or here (``run``'s loop, a caller's
+        jit)."""
         kwargs = {**dyn_kwargs, **dict(static_kwargs)}
         noise_std, planned_steps = settings
-        rng_key, draws = self._draws_of(state.rng_key, state.optim_state) if draws is None else draws
         params = self.optim.get_params(state.optim_state)
+        if draws is None:
+            draws = _next_key_and_draws(state.rng_key, params, self._batch_sampler(), self.loss.num_particles)
+        rng_key, draws = draws
         loss, grads, dropped = self._private_grad(params, draws, args, kwargs, stable, batch_mask, noise_std)
         # optax transformations may ask for the loss value (``update_with_value``); the loss is not private,
         # so they get NaN: value-driven schedules (line searches, reduce-on-plateau) cannot be used with DPSVI.
@@ -1499,17 +1524,15 @@ class DPSVI(SVI):
             self._steps[key] = jax.jit(partial(self._step, static_kwargs=static_kwargs, stable=stable))
         return self._steps[key]
 
-    def _draws_program(self):
-        """The compiled :meth:`_draws_of`, one per object and structure.
-
-        ``update`` runs it and then the step on its draws, two programs where ``run``'s loop has one:
-        the batch sampler and the full-tailed noise are about half of the step's compile in XLA (an
-        ablation, benchmarks/RESULTS.md, session 26), and they depend only on the key and the parameters'
-        shapes, so ``init`` compiles them and the first ``update`` compiles the rest. The draws are the
-        same as the one-program step's."""
-        if self._draws is None:
-            self._draws = cached_jit(self._draws_of)
-        return self._draws
+    def _update_draws(self, state: DPSVIState) -> tuple:
+        """:func:`_next_key_and_draws` of ``state``'s key, as the compiled program of their own that ``update``
+        runs before the step, two programs where ``run``'s loop has one: the batch sampler and the full-tailed
+        noise are about half of the step's compile in XLA (an ablation, benchmarks/RESULTS.md, session 26),
+        and they depend only on the key, the sampler and the parameters' shapes, so ``init`` compiles them
+        (:func:`_draws_program`, shared by objects) and the first ``update`` compiles the rest. The draws are
+        the same as the one program's."""
+        program = _draws_program(self._batch_sampler(), self.loss.num_particles)
+        return program(state.rng_key, self.optim.get_params(state.optim_state))
 
     def _split_update(self) -> bool:
         """Whether ``update`` runs the draws as a program of their own: not over a mesh, where the one
@@ -1622,7 +1645,7 @@ class DPSVI(SVI):
         dyn, static = _split_kwargs(kwargs)
         inputs = (svi_state, args, dyn, mask, self._settings())
         if self._split_update():
-            inputs += (self._draws_program()(svi_state.rng_key, svi_state.optim_state),)
+            inputs += (self._update_draws(svi_state),)
         return self._counted(svi_state, self._jitted_step(static, stable)(*inputs))
 
     def _counted(self, old: DPSVIState, out: tuple) -> tuple:
