@@ -139,7 +139,7 @@ dpsvi = DPSVI(logistic_regression, logistic_guide, optim, Trace_ELBO(), clipping
               num_steps=200)
 dstate = dpsvi.init(jax.random.key(0), x, y, batch_size=200)
 dyn, static = _split_kwargs({"batch_size": 200})
-draws = dpsvi._draws_program()(dstate.rng_key, dstate.optim_state)  # compiled in init: the step takes them
+draws = dpsvi._update_draws(dstate)  # compiled in init: the step takes them
 lowered["dpsvi"] = dpsvi._jitted_step(static, False).trace(dstate, (x, y), dyn, None, dpsvi._settings(), draws).lower()
 backend = xla_bridge.get_backend("cpu")
 devices = xla_client.DeviceList(tuple(backend.devices()[:1]))
