@@ -11,7 +11,8 @@ over ``--repeats`` processes and as ratios:
   and runs its two privacy checks), same model, guide, data and optimizer;
 - ``first step``: the first ``update`` after ``init`` (compilation plus one step): ``jax.jit(svi.update)``
   against ``dpsvi.update`` (which jits itself; its batch sampler and noise draw are a program of their own,
-  compiled in ``init``), also as the ratio of each pair of processes run one after the other; ``init and first step``: the two together, the wait for a first result;
+  compiled in ``init``), also as the ratio of each pair of processes run one after the other; ``init and
+  first step``: the two together, the wait for a first result;
   ``init_full_gc``, ``first_step_full_gc``: seconds of CPython's full (generation 2) collections
   within each (``gc.callbacks``), and the first step's ratio without them;
 - ``run``: ``run(key, 200 steps)`` on a new object, then again on the same object with a new key, then
