@@ -1400,9 +1400,6 @@ class DPSVI(SVI):
         state, init_key = executable(*inputs)
         return state, init_key, traces
 
-    def _step_draws(self, keys, like: list) -> _StepDraws:
-        return _step_draws(keys, like, self._batch_sampler(), self.loss.num_particles)
-
     def _batch_sampler(self):
         """The sampler that draws each step's batch: ``None`` in batch mode, where the caller draws them."""
         return self.sampler if self.structure.plate_mode else None
@@ -1411,14 +1408,13 @@ class DPSVI(SVI):
         """Noisy, clipped and rescaled gradient of the negative ELBO, the (non-private) loss estimate
         and the number of sampled records dropped for a non-finite loss or gradient.
 
-        ``rng_key`` is one key, the three keys split off by the caller, or the draws made from them
-        (:meth:`_step_draws`). ``noise_std`` is sigma C (default: this object's), an argument of the
-        compiled step (see :meth:`_settings`)."""
+        ``rng_key`` is one key, or the draws made from a step's key (:func:`_step_draws`). ``noise_std`` is
+        sigma C (default: this object's), an argument of the compiled step (see :meth:`_settings`)."""
         structure = self.structure
         draws = rng_key
         if not isinstance(draws, _StepDraws):
-            keys = random.split(rng_key, 3) if jnp.ndim(rng_key) == 0 else rng_key
-            draws = self._step_draws(keys, jax.tree.leaves(params))
+            keys = random.split(rng_key, 3)
+            draws = _step_draws(keys, jax.tree.leaves(params), self._batch_sampler(), self.loss.num_particles)
         elbo_key = draws.elbo_keys
         if structure.plate_mode:
             indices, mask = draws.batch
